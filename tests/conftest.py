@@ -1,0 +1,30 @@
+"""Test set-up shared by every test file.
+
+Without a GPU the Triton kernels run under Triton's CPU interpreter, which must be switched on
+before `triton` is first imported (the @triton.jit decorator reads it), so it is set here, before
+any test module imports kernels.py. A user can do the same by hand to step through a kernel:
+`TRITON_INTERPRET=1 python -c "import kernels; ..."`.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def restore_rng():
+    """Tests that reseed torch's global RNG get its previous state back, pass or fail."""
+    state = torch.random.get_rng_state()
+    yield
+    torch.random.set_rng_state(state)
+
+
+@pytest.fixture
+def restore_default_dtype():
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
