@@ -131,10 +131,12 @@ def check_qkv(q, k, v):
 # -----------------------------------------------------------------------------
 # The ground truth: a dense per-KV-head boolean mask built from the predicates.
 
-def hybrid_mask(seq_len, modes, sink, window, block_mask=None, block_size=64):
+def hybrid_mask(seq_len, modes, sink, window, block_mask=None, block_size=64, q_idx=None):
     """Bool (B, Hkv, S, S): may query i of (sample b, KV head h) see key j, given that head's mode.
 
-    Costs B·Hkv·S² bytes: fine for tests and small models, never built by the Triton path.
+    q_idx (Sq,) picks the query positions (default all S): decoding with a KV cache asks for
+    one row, (B, Hkv, 1, S). Costs B·Hkv·Sq·S bytes: fine for tests and small models, never
+    built by the Triton path.
     """
     check_sparse_params(sink, window, block_size)
     B, Hkv = modes.shape
@@ -143,7 +145,8 @@ def hybrid_mask(seq_len, modes, sink, window, block_mask=None, block_size=64):
     device = modes.device
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = torch.arange(Hkv, device=device).view(1, Hkv, 1, 1)
-    q_idx = torch.arange(seq_len, device=device).view(1, 1, seq_len, 1)
+    q_idx = torch.arange(seq_len, device=device) if q_idx is None else q_idx.to(device)
+    q_idx = q_idx.view(1, 1, -1, 1)
     kv_idx = torch.arange(seq_len, device=device).view(1, 1, 1, seq_len)
 
     m = modes.view(B, Hkv, 1, 1)
@@ -167,6 +170,35 @@ def omega_esr(mask):
     causal_pairs = S * (S + 1) / 2
     return 1.0 - (kept.double() / causal_pairs).mean(-1)              # (B,)
 
+
+def kept_pairs(seq_len, modes, sink, window, block_mask=None, block_size=64):
+    """(B, Hkv) causal (query, key) pairs each head keeps, counted in O(S) without an S×S mask.
+    Must equal hybrid_mask(...).sum((-2, -1)) (tests hold it to that); the model uses it for
+    Ω_ESR at long S, where the mask itself would not fit."""
+    B, Hkv = modes.shape
+    i = torch.arange(seq_len, device=modes.device, dtype=torch.float64)  # query positions
+    full = (i + 1).sum()
+    # Streaming row i keeps its window [max(0, i-window+1), i] plus the sink keys left of it.
+    stream = (torch.clamp(i + 1, max=window) + torch.clamp(i - window + 1, min=0).clamp(max=sink)).sum()
+    kept = torch.where(modes == FULL, full, stream).to(torch.float64)  # (B, Hkv)
+    if block_mask is not None:
+        nB = num_blocks(seq_len, block_size)
+        rows = torch.bincount((i // block_size).long(), minlength=nB).double()  # queries per block
+        diag = torch.zeros(nB, dtype=torch.float64, device=modes.device)
+        diag.index_add_(0, (i // block_size).long(), i - (i // block_size) * block_size + 1)
+        qb = torch.arange(nB, device=modes.device)
+        below = qb.view(nB, 1) > qb.view(1, nB)                   # key block strictly left of the diagonal
+        off = (block_mask & below).sum(-1).double() * rows * block_size  # (B, Hkv, nB): whole blocks
+        on_diag = block_mask.diagonal(dim1=-2, dim2=-1).double() * diag  # (B, Hkv, nB): causal triangle
+        kept = torch.where(modes == BLOCK_SPARSE, (off + on_diag).sum(-1), kept)
+    return kept
+
+
+def omega_esr_closed_form(seq_len, modes, sink, window, block_mask=None, block_size=64):
+    """Ω_ESR (B,) like omega_esr(hybrid_mask(...)), from kept_pairs instead of the mask."""
+    kept = kept_pairs(seq_len, modes, sink, window, block_mask, block_size)
+    return 1.0 - (kept / (seq_len * (seq_len + 1) / 2)).mean(-1)
+
 # -----------------------------------------------------------------------------
 # The naive reference: plain O(S²) attention under a boolean mask.
 
@@ -178,20 +210,28 @@ def naive_attention(q, k, v, mask, scale=None):
     floats written, read by the softmax, written again as probabilities, read by the second matmul.
     A row with no visible key returns zeros (its probabilities are multiplied by the mask), never NaN.
     """
-    B, Hq, Hkv, S, D = check_qkv(q, k, v)
+    check_qkv(q, k, v)
+    return masked_attention(q, k, v, mask, scale)
+
+
+def masked_attention(q, k, v, mask, scale=None):
+    """naive_attention without the checks, for Sq query rows against Sk keys: q (B, Hq, Sq, D),
+    k/v (B, Hkv, Sk, D), mask (B, Hkv, Sq, Sk). Decoding with a KV cache uses it with Sq = 1."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qg = q.to(cdtype).view(B, Hkv, G, S, D)                   # (B, Hkv, G, S, D)
-    kf, vf = k.to(cdtype).unsqueeze(2), v.to(cdtype).unsqueeze(2)  # (B, Hkv, 1, S, D)
-    mask = mask.unsqueeze(2) if mask.dim() == 4 else mask      # (B, Hkv, 1, S, S): shared by the group
-    scores = (qg @ kf.transpose(-2, -1)) * scale              # (B, Hkv, G, S, S)
-    any_key = mask.any(-1, keepdim=True)                      # (B, Hkv, 1, S, 1)
+    qg = q.to(cdtype).view(B, Hkv, G, Sq, D)                  # (B, Hkv, G, Sq, D)
+    kf, vf = k.to(cdtype).unsqueeze(2), v.to(cdtype).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
+    mask = mask.unsqueeze(2)                                  # (B, Hkv, 1, Sq, Sk): shared by the group
+    scores = (qg @ kf.transpose(-2, -1)) * scale              # (B, Hkv, G, Sq, Sk)
+    any_key = mask.any(-1, keepdim=True)                      # (B, Hkv, 1, Sq, 1)
     # Fill masked scores with -inf, but a fully masked row with 0 so softmax stays finite.
     scores = scores.masked_fill(~mask, float("-inf")).masked_fill(~any_key, 0.0)
-    p = torch.softmax(scores, dim=-1) * mask                  # (B, Hkv, G, S, S)
-    out = p @ vf                                              # (B, Hkv, G, S, D)
-    return out.view(B, Hq, S, D).to(q.dtype)
+    p = torch.softmax(scores, dim=-1) * mask                  # (B, Hkv, G, Sq, Sk)
+    out = p @ vf                                              # (B, Hkv, G, Sq, D)
+    return out.view(B, Hq, Sq, D).to(q.dtype)
 
 # -----------------------------------------------------------------------------
 # The one entry point the model calls.
@@ -235,3 +275,281 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
 # ============================================================================================
 # XAttention block selection (issue 6). Section owned by the XAttention work.
 # ============================================================================================
+#
+# XAttention (Xu et al. 2025; PAPER.md §3 XA) decides, per input, which key blocks a BLOCK_SPARSE
+# head attends to. Two steps, so a benchmark can time them apart:
+#   1. scoring  cheap estimate of the softmax mass in every (query block, key block) tile:
+#               xattention_scores_naive (dense twin) and xattention_scores (Triton, no S×S matrix)
+#   2. picking  per query-block row keep the sink and the diagonal block, then the best other blocks
+#               until the kept mass reaches `threshold` of the row: xattention_select (torch)
+# xattention_block_mask runs both; its output is the `block_mask` of hybrid_mask/hybrid_attention.
+#
+# Extra shape letters: T the stride (tokens per antidiagonal group), g = block_size // T groups per
+# block, nG = nB·g groups in the sequence padded to whole blocks.
+#
+# Padding. When S is not a multiple of the block size, q and k are zero-padded to nB·block_size
+# tokens (the kernel masks its loads instead, which is the same). A zero token adds exactly 0 to any
+# antidiagonal sum, so a partly padded group is scored on its real tokens; causality (key group
+# j <= query group i) keeps all-padding key groups out of every real query group's softmax; and
+# all-padding query groups are dropped before the block sums, so padding contributes nothing.
+# Short S. With nB <= 2 every causal block is the sink or a diagonal block, so the mask is every
+# causal block, i.e. FULL; in particular S shorter than one stride (nB = 1) is FULL, not an error.
+#
+# GQA. The G query heads of a KV head share its K/V, hence one block mask, so their G block-score
+# matrices are combined into one by an elementwise max, not a mean. A mean divides a block that only
+# one query head needs by G and can drop it (one retrieval-like head among diffuse ones); under max
+# that block scores as high as for the head that needs it. The price: max-combined rows are flatter,
+# so a few more blocks are kept. Max is not a strict per-head promise (a head with thinly spread mass
+# can end up with less than `threshold` of its own mass); the strict version, picking per query head
+# and OR-ing the G masks, sorts G times as many rows.
+import os
+
+
+def check_xattention_args(q, k, block_size, stride):
+    """q (B, Hq, S, D), k (B, Hkv, S, D) of one float dtype and device; stride divides block_size."""
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.numel() == 0:
+            raise ValueError(f"{name} must be a non-empty 4-d tensor (B, H, S, D), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or k.dtype != q.dtype:
+        raise ValueError(f"q and k must share a float dtype (16/bf16/32/64), got {q.dtype}, {k.dtype}")
+    if q.device != k.device:
+        raise ValueError(f"q is on {q.device} but k is on {k.device}")
+    B, Hq, S, D = q.shape
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} must be (B, Hkv, S, D) with B={B}, S={S}, D={D} "
+                         f"from q {tuple(q.shape)}")
+    Hkv = k.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"query heads {Hq} not a multiple of KV heads {Hkv}")
+    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+    if not isinstance(stride, int) or stride < 1 or block_size % stride:
+        raise ValueError(f"stride must be a positive int dividing block_size {block_size}, got {stride!r}")
+    return B, Hq, Hkv, S, D
+
+
+def check_threshold(threshold):
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must be a number in (0, 1], got {threshold!r}")
+
+
+def check_xattention_backend(backend):
+    if backend not in ("auto", "reference", "triton"):
+        raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+
+
+def xattention_scores_naive(q, k, block_size, stride=16):
+    """XAttention block scores, the obvious dense way. q (B, Hq, S, D), k (B, Hkv, S, D) →
+    (B, Hkv, nB, nB) float32 (float64 if given float64): entry [b, h, m, n] is the estimated softmax
+    mass that the query groups of block m put on key block n, max over the G query heads of KV head h.
+    Zero above the diagonal; each row sums to at least its number of real query groups.
+
+    Builds the whole (B, Hq, S, S) score matrix (S²·D multiply-adds and S² floats per query head) and
+    keeps 1/T of it, the antidiagonals; the Triton kernel computes only those, S²·D/T work.
+    """
+    B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
+    G, T = Hq // Hkv, stride
+    nB = num_blocks(S, block_size)
+    g, nG = block_size // T, nB * block_size // T
+    cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    pad = nB * block_size - S                                       # zero tokens to a whole block
+    qf = torch.nn.functional.pad(q.to(cdtype), (0, 0, 0, pad))      # (B, Hq, nG·T, D)
+    kf = torch.nn.functional.pad(k.to(cdtype), (0, 0, 0, pad))      # (B, Hkv, nG·T, D)
+    kf = kf.repeat_interleave(G, dim=1)                             # (B, Hq, nG·T, D): head h reads h // G
+    scores = qf @ kf.transpose(-2, -1)                              # (B, Hq, nG·T, nG·T)
+
+    # Cut into T×T tiles: tiles[..., i, r, j, c] = q[iT + r] · k[jT + c]. Flipping r turns the
+    # antidiagonal r = T-1-c into the diagonal, so diagonal() reads q[iT + T-1-t] · k[jT + t].
+    tiles = scores.view(B, Hq, nG, T, nG, T)
+    anti = tiles.flip(3).diagonal(dim1=3, dim2=5).sum(-1)           # (B, Hq, nG, nG)
+
+    # Causal softmax over key groups per query group, in fp32. The scale 1/(√D·T) is the usual
+    # 1/√D with the T summed products averaged. Key group 0 is always visible: no empty row.
+    i = torch.arange(nG, device=q.device).view(nG, 1)               # query group
+    j = torch.arange(nG, device=q.device).view(1, nG)               # key group
+    anti = (anti / (math.sqrt(D) * T)).masked_fill(j > i, float("-inf"))
+    p = torch.softmax(anti, dim=-1)                                 # (B, Hq, nG, nG), rows sum to 1
+    p = p * (i * T < S)                                             # drop all-padding query groups
+
+    # Sum the g×g groups of each (query block, key block) tile; then one matrix per KV head (max).
+    block = p.view(B, Hq, nB, g, nB, g).sum((3, 5))                 # (B, Hq, nB, nB)
+    return block.view(B, Hkv, G, nB, nB).amax(2)                    # (B, Hkv, nB, nB)
+
+
+if _HAS_TRITON:
+    @triton.jit
+    def _xattn_antidiagonal_tile(q_rows, k_base, q_group, k_group, row_ok, S, D,
+                                 stride_qs, stride_qd, stride_ks, stride_kd,
+                                 T: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_D: tl.constexpr):
+        """acc[r, c] = Σ_t q[iT + T-1-t] · k[jT + t] with i = q_group[r], j = k_group[c]:
+        T small matmuls (ROWS × D) @ (D × BLOCK_N), one per step t along the antidiagonals."""
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D                                            # BLOCK_D is D rounded up to 2^k
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for t in range(T):
+            q_pos = q_group * T + (T - 1 - t)                        # (ROWS,)   queries walk down…
+            k_pos = k_group * T + t                                  # (BLOCK_N,) …while keys walk up
+            q = tl.load(q_rows[:, None] + q_pos[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                        mask=(row_ok & (q_pos < S))[:, None] & d_ok[None, :], other=0.0)  # (ROWS, BLOCK_D)
+            k = tl.load(k_base + k_pos[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+                        mask=(k_pos < S)[None, :] & d_ok[:, None], other=0.0)             # (BLOCK_D, BLOCK_N)
+            acc += tl.dot(q, k)                                      # fp32 accumulate
+        return acc
+
+    @triton.jit
+    def _xattn_scores_kernel(
+        q, k, out,
+        S, D, Hkv, nB,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_ob, stride_oh, stride_om, stride_on,
+        qk_scale,
+        T: tl.constexpr, GROUPS_PER_BLOCK: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # ---- 1. program ids → query groups, KV head -------------------------------------------
+        # A program scores BLOCK_M query groups (BLOCK_M // g query blocks) of one (b, KV head) for
+        # all G query heads of that KV head at once: they read the same K tiles, so they are stacked
+        # as the rows of one tile. Row r is query head r // BLOCK_M, query group start_m + r % BLOCK_M.
+        ROWS: tl.constexpr = G_PAD * BLOCK_M
+        QB: tl.constexpr = BLOCK_M // GROUPS_PER_BLOCK                # query blocks per program
+        KB: tl.constexpr = BLOCK_N // GROUPS_PER_BLOCK                # key blocks per inner step
+        start_m = tl.program_id(0) * BLOCK_M
+        b = (tl.program_id(1) // Hkv).to(tl.int64)                    # int64: b·stride_qb can pass 2³¹
+        h = (tl.program_id(1) % Hkv).to(tl.int64)
+        rows = tl.arange(0, ROWS)
+        head = rows // BLOCK_M                                        # (ROWS,) query head in the group
+        q_group = start_m + rows % BLOCK_M                            # (ROWS,)
+        row_ok = (head < G) & (q_group * T < S)   # rows for G → G_PAD or all-padding groups count nothing
+
+        # ---- 2. pointers ---------------------------------------------------------------------
+        q_rows = q + b * stride_qb + (h * G + head) * stride_qh      # (ROWS,) one query head per row
+        k_base = k + b * stride_kb + h * stride_kh
+        o_base = out + b * stride_ob + h * stride_oh
+        hi = tl.minimum(start_m + BLOCK_M, nB * GROUPS_PER_BLOCK)    # causal: later key groups unseen
+
+        # ---- 3. pass 1: running max m_i and normaliser l_i of each row's softmax over key groups
+        m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((ROWS,), dtype=tl.float32)
+        for start_n in range(0, hi, BLOCK_N):
+            k_group = start_n + tl.arange(0, BLOCK_N)                 # (BLOCK_N,)
+            s = _xattn_antidiagonal_tile(q_rows, k_base, q_group, k_group, row_ok, S, D,
+                                         stride_qs, stride_qd, stride_ks, stride_kd,
+                                         T, ROWS, BLOCK_N, BLOCK_D) * qk_scale
+            s = tl.where(k_group[None, :] <= q_group[:, None], s, float("-inf"))  # (ROWS, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(s, 1))   # finite from the first step on: group 0 is visible
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            m_i = m_new
+
+        # ---- 4. pass 2: same scores again → probabilities → block sums → max over heads → store
+        # Recomputing costs as much as pass 1 but keeps memory at one tile; storing the group scores
+        # instead would write and reread (S/T)² floats per query head.
+        inv_l = 1.0 / l_i
+        out_m = start_m // GROUPS_PER_BLOCK + tl.arange(0, QB)       # (QB,) query block rows
+        for start_n in range(0, hi, BLOCK_N):
+            k_group = start_n + tl.arange(0, BLOCK_N)
+            s = _xattn_antidiagonal_tile(q_rows, k_base, q_group, k_group, row_ok, S, D,
+                                         stride_qs, stride_qd, stride_ks, stride_kd,
+                                         T, ROWS, BLOCK_N, BLOCK_D) * qk_scale
+            s = tl.where(k_group[None, :] <= q_group[:, None], s, float("-inf"))
+            p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]             # (ROWS, BLOCK_N), masked → 0
+            p = tl.where(row_ok[:, None], p, 0.0)
+            # sum the g key groups of each key block, then the g query groups of each query block
+            p = tl.sum(tl.reshape(p, (ROWS, KB, GROUPS_PER_BLOCK)), 2)                 # (ROWS, KB)
+            p = tl.sum(tl.reshape(p, (G_PAD, QB, GROUPS_PER_BLOCK, KB)), 2)            # (G_PAD, QB, KB)
+            blk = tl.max(p, 0)                    # (QB, KB) max over the query heads; pad rows are 0
+            out_n = start_n // GROUPS_PER_BLOCK + tl.arange(0, KB)                     # (KB,)
+            tl.store(o_base + out_m[:, None] * stride_om + out_n[None, :] * stride_on, blk,
+                     mask=(out_m < nB)[:, None] & (out_n < nB)[None, :])
+
+
+def xattention_scores(q, k, block_size, stride=16, backend="auto"):
+    """Same contract as xattention_scores_naive (float32 (B, Hkv, nB, nB)), by the Triton kernel:
+    no S×S and no (S/T)² matrix, one tile per program in memory, the antidiagonal products twice.
+
+    backend: "auto" = Triton on CUDA (not float64), else the naive twin; "reference"; "triton" (on
+    CPU only under TRITON_INTERPRET=1, set before triton is imported; fp16/fp32 there, no bf16).
+    """
+    B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
+    check_xattention_backend(backend)
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and _HAS_TRITON and q.dtype != torch.float64 else "reference"
+    if backend == "reference":
+        return xattention_scores_naive(q, k, block_size, stride)
+    if not _HAS_TRITON:
+        raise ValueError("backend='triton' but triton is not installed")
+    if q.dtype == torch.float64:
+        raise ValueError("the Triton scoring kernel takes float16/bfloat16/float32, got float64")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
+
+    G = Hq // Hkv
+    nB = num_blocks(S, block_size)
+    g = block_size // stride
+    BLOCK_M = max(16, g)   # query groups per program: tl.dot wants >= 16 rows, and whole blocks
+    BLOCK_N = max(64, g)   # key groups per inner step: >= 16 for tl.dot, and whole blocks
+    out = torch.zeros(B, Hkv, nB, nB, device=q.device, dtype=torch.float32)  # tiles above the diagonal stay 0
+    qk_scale = 1.44269504 / (math.sqrt(D) * stride)   # 1/(√D·T), times 1/ln 2 because we use exp2
+    grid = (triton.cdiv(nB * g, BLOCK_M), B * Hkv)
+    _xattn_scores_kernel[grid](
+        q, k, out,
+        S, D, Hkv, nB,
+        *q.stride(), *k.stride(), *out.stride(),
+        qk_scale,
+        T=stride, GROUPS_PER_BLOCK=g, G=G, G_PAD=triton.next_power_of_2(G),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
+    )
+    return out
+
+
+def xattention_select(block_scores, threshold=0.9):
+    """Block scores (B, Hkv, nB, nB) → bool block mask (B, Hkv, nB, nB), causal at block level.
+    Per query-block row: the sink block 0 and the diagonal block always; then the other causal
+    blocks best first, each taken while the mass kept so far is below threshold × row total, so the
+    kept mass reaches the threshold with the fewest blocks the scores allow. threshold 1.0 keeps every
+    causal block (in floating point only all of them are sure to hold the whole mass).
+
+    Costs one sort of B·Hkv·nB rows of nB floats: the part of the selection that grows as (S/block)².
+    """
+    check_threshold(threshold)
+    if not isinstance(block_scores, torch.Tensor) or block_scores.dim() != 4 \
+            or block_scores.shape[-1] != block_scores.shape[-2] or not block_scores.is_floating_point():
+        raise ValueError(f"block_scores must be a float tensor (B, Hkv, nB, nB), got "
+                         f"{tuple(block_scores.shape) if isinstance(block_scores, torch.Tensor) else type(block_scores)}")
+    nB = block_scores.shape[-1]
+    m = torch.arange(nB, device=block_scores.device).view(nB, 1)   # query block
+    n = torch.arange(nB, device=block_scores.device).view(1, nB)    # key block
+    is_causal = n <= m                                               # (nB, nB)
+    forced = is_causal & ((n == 0) | (n == m))                       # sink + diagonal
+    if threshold >= 1.0:
+        return is_causal.expand(block_scores.shape).clone()
+
+    scores = block_scores.float().masked_fill(~is_causal, 0.0)       # (B, Hkv, nB, nB)
+    row_total = scores.sum(-1, keepdim=True)                         # (B, Hkv, nB, 1)
+    budget = threshold * row_total - (scores * forced).sum(-1, keepdim=True)  # still wanted after sink+diag
+    cand = scores.masked_fill(~(is_causal & ~forced), -1.0)          # non-candidates sort last (scores >= 0)
+    vals, order = cand.sort(-1, descending=True)                     # (B, Hkv, nB, nB) best first
+    mass = vals.clamp_min(0.0)
+    before = mass.cumsum(-1) - mass                                  # kept by the better candidates
+    take = (vals >= 0) & (before < budget)                           # (B, Hkv, nB, nB) in sorted order
+    keep = torch.zeros_like(take).scatter(-1, order, take)           # back to key-block order
+    return keep | forced
+
+
+def xattention_block_mask(q, k, block_size, stride=16, threshold=0.9, backend="auto"):
+    """XAttention block mask for causal prefill: q (B, Hq, S, D), k (B, Hkv, S, D) → bool
+    (B, Hkv, nB, nB), ready for hybrid_mask / hybrid_attention(block_mask=..., block_size=...).
+    Use the keys and queries the attention itself sees (after RoPE). Not differentiable.
+    """
+    B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
+    check_threshold(threshold)
+    check_xattention_backend(backend)
+    nB = num_blocks(S, block_size)
+    if nB <= 2 or threshold >= 1.0:   # nothing to choose: every causal block is forced or wanted → FULL
+        idx = torch.arange(nB, device=q.device)
+        return (idx.view(1, nB) <= idx.view(nB, 1)).expand(B, Hkv, nB, nB).clone()
+    with torch.no_grad():
+        scores = xattention_scores(q, k, block_size, stride, backend)  # (B, Hkv, nB, nB)
+    return xattention_select(scores, threshold)

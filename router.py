@@ -1,0 +1,400 @@
+"""router.py — the Attention Router: which KV heads stay full, per input (PAPER.md §4–§6).
+
+Read top to bottom, this file follows the paper's Section 3 and Appendix F:
+
+    1. the gate       a router logit log α per (sample, KV head) -> a hard 0/1 decision that still
+                      passes a gradient (hard-concrete, Louizos et al. 2018; the paper's
+                      Gumbel-sigmoid with its temperature schedules as the alternative)
+    2. the router     boundary-pooled pre-RoPE keys -> task MLP -> router MLP -> log α  (§4)
+    3. the objective  Ω_MSR and the per-task Lagrangian λ1·(Ω − t) + λ2·(Ω − t)²    (§6)
+    4. training       freeze the backbone, AdamW with a maximising λ group, cosine schedule,
+                      routing statistics for the log line
+
+Convention (tested): z = 1 means FULL attention (a retrieval head), z = 0 means SPARSE.
+A model's training step mixes O = z·O_full + (1 − z)·O_sparse per KV head; at inference
+z = 1[log α > 0] picks one kernel mode per head.
+
+Shape letters: B batch, S sequence length, Hkv KV heads, D head dim, L layers, T tasks,
+P = pool_tokens (tokens pooled at each end of a sample).
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# 1. The hard-concrete gate (Louizos, Welling, Kingma 2018), as pure functions of log α.
+#
+# u ~ U(0, 1) gives logistic noise log u − log(1 − u); the concrete relaxation squashes
+# (noise + log α) / β through a sigmoid, the "stretch" maps (0, 1) to (γ, ζ), and the clamp folds
+# the overhang back onto exactly 0 and exactly 1, so z̃ has point masses at both ends.
+
+BETA = 2 / 3    # temperature of the relaxation: smaller -> z̃ closer to binary, noisier gradients
+GAMMA = -0.1    # left end of the stretch; below 0 so that P(z̃ = 0) > 0
+ZETA = 1.1      # right end of the stretch; above 1 so that P(z̃ = 1) > 0 (γ + ζ = 1: symmetric)
+EPS = 1e-6      # u lives in [ε, 1 − ε] so log u and log(1 − u) stay finite (|noise| <= 13.8)
+
+# β·log(ζ / −γ) = (2/3)·log 11 ≈ 1.5986: how far log α must move to make an end point likely.
+_SHIFT = BETA * math.log(ZETA / -GAMMA)
+
+
+def _logistic_noise(shape, like, u=None, generator=None):
+    """log u − log(1 − u) for u ~ U(ε, 1 − ε): a standard logistic sample, P(noise <= x) = σ(x)."""
+    if u is None:
+        u = torch.rand(shape, generator=generator, device=like.device, dtype=torch.float32)
+    u = u.to(device=like.device, dtype=torch.float32).clamp(EPS, 1 - EPS)
+    return torch.log(u) - torch.log1p(-u)
+
+
+def hard_concrete_sample(log_alpha, u=None, generator=None):
+    """The relaxed gate z̃ ∈ [0, 1], same shape as log_alpha, differentiable where 0 < s̄ < 1.
+
+    u: optional uniforms of log_alpha's shape (tests pass them for reproducibility); otherwise drawn
+    from `generator` (or the global RNG). Computed in float32 whatever log_alpha's dtype.
+    """
+    log_alpha = log_alpha.float()
+    noise = _logistic_noise(log_alpha.shape, log_alpha, u, generator)
+    s = torch.sigmoid((noise + log_alpha) / BETA)     # concrete sample in (0, 1)
+    s_bar = s * (ZETA - GAMMA) + GAMMA                # stretched to (γ, ζ)
+    return s_bar.clamp(0.0, 1.0)                      # z̃: exactly 0 or 1 with finite probability
+
+
+# Closed forms. noise is standard logistic, so each event "s̄ ≷ c" is "noise ≷ some x" and has
+# probability σ(±x). Used by the tests to check the sampler, and handy for an expected-sparsity
+# penalty (the L0 paper's use) if anyone wants one.
+
+def prob_zero(log_alpha):
+    """P(z̃ = 0) = σ(−β·log(ζ/−γ) − log α): s̄ <= 0 ⇔ s <= 1/12 ⇔ noise <= −β·log 11 − log α."""
+    return torch.sigmoid(-_SHIFT - log_alpha)
+
+
+def prob_one(log_alpha):
+    """P(z̃ = 1) = σ(log α − β·log(ζ/−γ)): s̄ >= 1 ⇔ s >= 11/12."""
+    return torch.sigmoid(log_alpha - _SHIFT)
+
+
+def prob_nonzero(log_alpha):
+    """P(z̃ > 0) = 1 − P(z̃ = 0) = σ(log α + β·log(ζ/−γ))."""
+    return torch.sigmoid(log_alpha + _SHIFT)
+
+
+def prob_full(log_alpha):
+    """P(z = 1[z̃ > 0.5] = FULL) = σ(log α) exactly.
+
+    Because γ + ζ = 1 the stretch maps s = ½ to s̄ = ½, so z̃ > ½ ⇔ s > ½ ⇔ noise > −log α.
+    β drops out: the temperature shapes the gradient, not the decision's probability.
+    """
+    return torch.sigmoid(log_alpha)
+
+
+def hard_concrete_gate(log_alpha, u=None, generator=None):
+    """Training gate: forward value exactly 0. or 1. (1 = FULL), gradient that of z̃ (straight-through).
+
+    z = hard + z̃ − z̃.detach() is numerically `hard` but differentiates like z̃, so the model trains
+    on exactly the hybrid it will run at inference. Where z̃ is clamped (s̄ <= 0 or s̄ >= 1, about a
+    third of draws at log α = 0) the gradient is zero for that draw — the price of point masses.
+    """
+    z_soft = hard_concrete_sample(log_alpha, u, generator)
+    z_hard = (z_soft > 0.5).float()
+    return z_hard + (z_soft - z_soft.detach())  # parenthesised: exactly z_hard in any dtype
+
+
+def deterministic_gate(log_alpha):
+    """Evaluation gate: z = 1[log α > 0] (the more likely hard decision), no RNG, no gradient."""
+    return (log_alpha > 0).float()
+
+
+# --- The paper's alternative: a Gumbel-softmax gate with a temperature schedule ----------------
+#
+# The router emits ONE logit per head. A two-class Gumbel-softmax over logits (log α, 0) is all the
+# information there is: softmax is shift-invariant, so only the difference of the two logits
+# matters, and fixing the second at 0 loses nothing. With Gumbel noises g1, g0:
+#     softmax([log α + g1, g0] / τ)[FULL] = σ((log α + g1 − g0) / τ),
+# and g1 − g0 is exactly standard logistic. So the two-logit Gumbel-softmax IS a sigmoid with
+# logistic noise, and P(hard = FULL) = P(g1 − g0 > −log α) = σ(log α) for every τ.
+# (Pitfall in the authors' sigmoid variant, PAPER.md §5: a single Gumbel g1 inside the sigmoid
+# gives P(hard = 1) = 1 − exp(−e^{log α}), 0.632 at log α = 0, a built-in bias towards FULL.)
+
+def gumbel_softmax_gate(logit, tau, u=None, generator=None):
+    """Two-logit Gumbel-softmax (logits (logit, 0)) with hard forward and straight-through gradient.
+
+    Forward exactly 0. or 1. (1 = FULL); P(1) = σ(logit); gradient that of σ((logit + noise) / τ).
+    """
+    if not tau > 0:
+        raise ValueError(f"temperature tau must be > 0, got {tau!r}")
+    logit = logit.float()
+    noise = _logistic_noise(logit.shape, logit, u, generator)   # = g1 − g0 in distribution
+    z_soft = torch.sigmoid((logit + noise) / tau)
+    z_hard = (z_soft > 0.5).float()
+    return z_hard + (z_soft - z_soft.detach())  # parenthesised: exactly z_hard in any dtype
+
+
+def _check_progress(progress):
+    if not 0.0 <= progress <= 1.0:
+        raise ValueError(f"progress must be the fraction of training done, in [0, 1], got {progress!r}")
+
+
+def tau_exponential(progress, tau_init=1.5, tau_min=1.0, rate=0.6):
+    """The paper's schedule τ(p) = max(τ_min, τ_init·e^{−r·p}), r = 0.6, p = fraction of training done.
+
+    Our notes do not fix τ_init and τ_min (nor whether p counts steps or fractions; we take the
+    fraction), so the defaults borrow the end points of the authors' cosine schedule; with them
+    the exponential reaches its floor at p = ln(1.5)/0.6 ≈ 0.68.
+    """
+    _check_progress(progress)
+    return max(tau_min, tau_init * math.exp(-rate * progress))
+
+
+def tau_cosine(progress, tau_start=1.5, tau_end=1.0, anneal_frac=0.6):
+    """The authors' code: cosine from 1.5 to 1.0 over the first 60 % of training, then flat."""
+    _check_progress(progress)
+    p = min(1.0, progress / anneal_frac)
+    return tau_end + (tau_start - tau_end) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+# -----------------------------------------------------------------------------
+# 2. The Attention Router (one per layer, ≈ 0.26 M parameters at D = 128, hidden ×4).
+
+def boundary_pool(k, lengths, pool_tokens):
+    """Mean of each sample's first P and last P real tokens: (B, Hkv, S, D) -> (B, Hkv, D) float32.
+
+    The instructions sit at the start of a prompt and the question at its end; the document in the
+    middle is noise for telling tasks apart (paper App. H.5). A sample shorter than 2P is pooled
+    over each of its tokens once (the union of the two ranges). Tokens at or after lengths[b] are
+    padding and never read.
+
+    Vectorised by gathering 2P slots per sample rather than weighting all S positions: at 64K
+    tokens that reads 200 keys instead of 64K and never makes an fp32 copy of the whole K.
+    """
+    B, Hkv, S, D = k.shape
+    P = pool_tokens
+    slot = torch.arange(P, device=k.device).view(1, P)                # (1, P)
+    L = lengths.to(k.device).view(B, 1)                               # (B, 1)
+    head = slot.expand(B, P)                                          # (B, P)  positions 0 .. P−1
+    tail = L - P + slot                                               # (B, P)  positions L−P .. L−1
+    pos = torch.cat([head, tail], dim=1)                              # (B, 2P)
+    # A head slot counts if it is a real token; a tail slot only if the head range did not already
+    # take it (positions < P belong to the head), so a short sample counts every token exactly once.
+    valid = torch.cat([head < L, tail >= P], dim=1)                   # (B, 2P)
+    weight = valid.float() / valid.sum(1, keepdim=True)               # (B, 2P), each row sums to 1
+    pos = pos.clamp(0, S - 1)                                         # invalid slots read a real row, weight 0
+    idx = pos.view(B, 1, 2 * P, 1).expand(B, Hkv, 2 * P, D)           # (B, Hkv, 2P, D)
+    k_slots = k.gather(2, idx).float()                                # (B, Hkv, 2P, D) fp32 for the mean
+    return (k_slots * weight.view(B, 1, 2 * P, 1)).sum(2)             # (B, Hkv, D)
+
+
+class AttentionRouter(nn.Module):
+    """Pre-RoPE key states of one layer -> one logit log α per (sample, KV head).
+
+    Both MLPs are shared by all KV heads of the layer (head-agnostic): only a head's pooled key
+    vector tells heads apart, so permuting heads permutes the output. Nothing but the keys reaches
+    the router — no task id — so at inference it must infer the task from the prompt itself.
+    """
+
+    def __init__(self, head_dim, hidden_mult=4, pool_tokens=100):
+        super().__init__()
+        if not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
+        if not isinstance(hidden_mult, int) or hidden_mult < 1:
+            raise ValueError(f"hidden_mult must be an int >= 1, got {hidden_mult!r}")
+        if not isinstance(pool_tokens, int) or pool_tokens < 1:
+            raise ValueError(f"pool_tokens must be an int >= 1, got {pool_tokens!r}")
+        D, hidden = head_dim, hidden_mult * head_dim
+        self.head_dim, self.pool_tokens = head_dim, pool_tokens
+        # Task MLP: turns the pooled key into a "what kind of input is this" feature.
+        self.task_mlp = nn.Sequential(nn.Linear(D, hidden), nn.SiLU(), nn.Linear(hidden, D))
+        # Router MLP: from that feature to the FULL-vs-SPARSE logit.
+        self.router_mlp = nn.Sequential(nn.Linear(D, hidden), nn.SiLU(), nn.Linear(hidden, D), nn.SiLU(),
+                                        nn.Linear(D, 1))
+        # Initial decisions: log α ≈ 0, so P(FULL) ≈ ½ for every head — neither all-full nor
+        # all-sparse by accident. A zero last layer would give exactly that, but then the gradient
+        # into every earlier layer (∂log α/∂h = W_last) is exactly zero, and AdamW turns a zero
+        # gradient into a zero step, so for the first steps only the last layer would learn. We
+        # shrink PyTorch's default init of the last layer by 100 instead: log α starts within a
+        # few hundredths of 0, and Adam's per-parameter normalisation makes the small (but
+        # non-zero) gradients to earlier layers move them at full speed from step one.
+        last = self.router_mlp[-1]
+        with torch.no_grad():
+            last.weight.mul_(0.01)
+            last.bias.zero_()
+
+    def forward(self, k, lengths=None):
+        """k (B, Hkv, S, D) key states before RoPE, lengths (B,) int real tokens (None = all S).
+
+        Returns log α (B, Hkv) float32. The MLPs run in float32 whatever k's dtype (bf16 keys are
+        fine); keep the router's parameters float32 too, e.g. cast the backbone before attaching.
+        """
+        if not isinstance(k, torch.Tensor) or k.dim() != 4 or k.shape[-1] != self.head_dim:
+            raise ValueError(f"k must be (B, Hkv, S, D={self.head_dim}), got "
+                             f"{tuple(k.shape) if isinstance(k, torch.Tensor) else type(k)}")
+        B, Hkv, S, D = k.shape
+        if lengths is None:
+            lengths = torch.full((B,), S, dtype=torch.long, device=k.device)
+        if (not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point
+                or tuple(lengths.shape) != (B,)):
+            raise ValueError(f"lengths must be an integer tensor of shape (B,) = ({B},), got {lengths!r}")
+        bad = (lengths < 1) | (lengths > S)
+        if bad.any():    # one device sync per layer; cheap next to attention
+            raise ValueError(f"lengths must be in [1, S={S}], got {lengths[bad].tolist()}")
+
+        with torch.autocast(device_type=k.device.type, enabled=False):   # a logit near 0 needs fp32
+            x = boundary_pool(k, lengths, self.pool_tokens)                # (B, Hkv, D) fp32
+            x = x.to(self.router_mlp[0].weight.dtype)
+            x = self.task_mlp(x)                                           # (B, Hkv, D)
+            log_alpha = self.router_mlp(x).squeeze(-1)                     # (B, Hkv)
+        return log_alpha.float()
+
+# -----------------------------------------------------------------------------
+# 3. The objective: model sparsity Ω_MSR and the per-task Lagrangian (PAPER.md §6).
+
+SENSITIVE_TARGET = 0.7   # QA / retrieval: accuracy collapses past ~0.7 sparse heads (paper; authors' script 0.6)
+ROBUST_TARGET = 1.0      # summarisation, code, ICL: let the model go as sparse as it likes
+
+
+def omega_msr(zs):
+    """Ω_MSR per sample = 1 − mean z over layers and KV heads: L tensors (B, Hkv) -> (B,).
+
+    With the hard z of the training gate this is the exact fraction of SPARSE heads, and it
+    carries the straight-through gradient back to every router's log α.
+    """
+    if len(zs) == 0:
+        raise ValueError("omega_msr needs the gates of at least one layer, got an empty list")
+    shapes = {tuple(z.shape) for z in zs}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"every layer's z must be (B, Hkv) with the same shape, got {sorted(shapes)}")
+    z = torch.stack(list(zs))                 # (L, B, Hkv)
+    return 1.0 - z.float().mean(dim=(0, 2))   # (B,)
+
+
+class SparsityLagrangian(nn.Module):
+    """Per-task multipliers: term = λ1[t]·(Ω − t_t) + λ2[t]·(Ω − t_t)², mean per task, then over tasks.
+
+    The routers *minimise* LM loss + term; λ1, λ2 *maximise* it (gradient ascent, see
+    build_optimizer). ∂term/∂λ1 = Ω − t, so λ1 falls while the model is denser than its target
+    and, once negative, rewards sparsity; it settles where the LM loss's pull towards FULL heads
+    balances it. ∂term/∂λ2 = (Ω − t)² >= 0, so λ2 only grows: a quadratic penalty that damps the
+    oscillation of the pure Lagrangian. abs_variant=True is the authors' code, λ1·|Ω − t|, which
+    makes λ1 only grow too (a penalty rather than a multiplier).
+    Averaging per task first keeps a task with many samples in the batch from owning the term.
+    """
+
+    def __init__(self, num_tasks, targets, abs_variant=False):
+        super().__init__()
+        if not isinstance(num_tasks, int) or num_tasks < 1:
+            raise ValueError(f"num_tasks must be an int >= 1, got {num_tasks!r}")
+        targets = [float(t) for t in targets]
+        if len(targets) != num_tasks:
+            raise ValueError(f"need one target per task: num_tasks={num_tasks}, got {len(targets)} targets")
+        bad = [t for t in targets if not 0.0 <= t <= 1.0]
+        if bad:
+            raise ValueError(f"sparsity targets must be in [0, 1], got {bad}")
+        self.num_tasks, self.abs_variant = num_tasks, abs_variant
+        self.register_buffer("targets", torch.tensor(targets))   # (T,)
+        # Start at 0: the first steps are pure LM loss, and λ grows only as far as the gap demands.
+        self.lambda1 = nn.Parameter(torch.zeros(num_tasks))      # (T,)
+        self.lambda2 = nn.Parameter(torch.zeros(num_tasks))      # (T,)
+
+    def forward(self, omega, task_ids):
+        """omega (B,) Ω_MSR per sample, task_ids (B,) long -> scalar term."""
+        if omega.dim() != 1 or not isinstance(task_ids, torch.Tensor) or task_ids.shape != omega.shape:
+            raise ValueError(f"omega and task_ids must both be (B,), got {tuple(omega.shape)} and "
+                             f"{tuple(task_ids.shape) if isinstance(task_ids, torch.Tensor) else task_ids!r}")
+        if task_ids.dtype.is_floating_point or task_ids.dtype == torch.bool:
+            raise ValueError(f"task_ids must be an integer tensor, got dtype {task_ids.dtype}")
+        bad = (task_ids < 0) | (task_ids >= self.num_tasks)
+        if bad.any():
+            raise ValueError(f"task ids must be in [0, {self.num_tasks}), got {task_ids[bad].unique().tolist()}")
+        gap = omega - self.targets[task_ids]                                   # (B,)
+        first = gap.abs() if self.abs_variant else gap
+        per_sample = self.lambda1[task_ids] * first + self.lambda2[task_ids] * gap ** 2   # (B,)
+        # Mean per task, then over the tasks present, without a Python loop over tasks.
+        onehot = F.one_hot(task_ids, self.num_tasks).to(per_sample.dtype)     # (B, T)
+        count = onehot.sum(0)                                                  # (T,)
+        per_task = (onehot * per_sample[:, None]).sum(0) / count.clamp(min=1)  # (T,)
+        present = (count > 0).to(per_task.dtype)                               # (T,)
+        return (per_task * present).sum() / present.sum()
+
+    def stats(self):
+        """λ values for the log line: {"lambda1/0": ..., "lambda2/0": ..., ...}."""
+        out = {}
+        for name, lam in (("lambda1", self.lambda1), ("lambda2", self.lambda2)):
+            for t, v in enumerate(lam.detach().tolist()):
+                out[f"{name}/{t}"] = v
+        return out
+
+# -----------------------------------------------------------------------------
+# 4. Training plumbing: frozen backbone, the paper's AdamW groups, logging.
+
+def freeze_backbone(model):
+    """Only `model.routers.*` stays trainable; returns those parameters.
+
+    Activations still carry gradients through the frozen layers (autograd needs them to reach the
+    routers of earlier layers); only the backbone's weights get no .grad and no optimizer state.
+    """
+    if not isinstance(getattr(model, "routers", None), nn.Module):
+        raise ValueError(f"{type(model).__name__} has no `routers` module; attach routers before freezing")
+    trainable = []
+    for name, p in model.named_parameters():
+        is_router = name.startswith("routers.")
+        p.requires_grad_(is_router)
+        if is_router:
+            trainable.append(p)
+    if not trainable:
+        raise ValueError("model.routers has no parameters to train")
+    return trainable
+
+
+def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lambda_lr=1e-3,
+                    betas=(0.9, 0.95), weight_decay=0.1, warmup_frac=0.2):
+    """One AdamW with three groups, and a LambdaLR: linear warm-up over warmup_frac, then cosine to 0.
+
+    Groups (paper Table 6): router weight matrices (lr 5e-4, wd 0.1), router biases (lr 5e-4, no
+    decay, as nanoGPT and HF Trainer do), and λ (lr 1e-3, no decay, maximize=True: gradient ascent).
+    torch's AdamW reads `maximize` per param group (checked by the tests), so one optimizer and one
+    scheduler serve both players of the min-max. The schedule scales every group alike.
+    """
+    if not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+    if not 0.0 <= warmup_frac < 1.0:
+        raise ValueError(f"warmup_frac must be in [0, 1), got {warmup_frac!r}")
+    router_params = list(router_params)
+    groups = [
+        dict(params=[p for p in router_params if p.dim() >= 2], lr=router_lr, weight_decay=weight_decay,
+             maximize=False, name="router"),
+        dict(params=[p for p in router_params if p.dim() < 2], lr=router_lr, weight_decay=0.0,
+             maximize=False, name="router_bias"),
+        dict(params=list(lagrangian.parameters()), lr=lambda_lr, weight_decay=0.0,
+             maximize=True, name="lambda"),
+    ]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], betas=betas)
+
+    warmup = round(warmup_frac * total_steps)
+
+    def lr_scale(step):
+        if step < warmup:
+            return (step + 1) / (warmup + 1)                # linear warm-up to the peak at step `warmup`; never 0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))   # cosine from 1 to 0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_scale)
+
+
+@torch.no_grad()
+def routing_stats(log_alphas, zs, lagrangian=None):
+    """Numbers for the log line, from L tensors (B, Hkv) of log α and of z.
+
+    full_frac[l]: fraction of layer l's (sample, head) decisions that are FULL; mean_log_alpha[l];
+    omega_msr: batch-mean Ω_MSR; plus λ values when a lagrangian is given.
+    """
+    if len(log_alphas) != len(zs):
+        raise ValueError(f"need one log α and one z per layer, got {len(log_alphas)} and {len(zs)}")
+    z = torch.stack([zi.float() for zi in zs])                # (L, B, Hkv)
+    la = torch.stack([a.float() for a in log_alphas])         # (L, B, Hkv)
+    stats = {
+        "full_frac": z.mean(dim=(1, 2)).tolist(),             # L floats
+        "mean_log_alpha": la.mean(dim=(1, 2)).tolist(),       # L floats
+        "omega_msr": 1.0 - z.mean().item(),
+    }
+    if lagrangian is not None:
+        stats.update(lagrangian.stats())
+    return stats

@@ -1,0 +1,255 @@
+"""The Llama-style model: hybrid heads, the training mix, KV-cache decoding, HF interop, bad input."""
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import elastic_attention as E
+import kernels as K
+from kernels import FULL, STREAMING
+
+SETTINGS = settings(max_examples=10, deadline=None)
+
+
+def tiny(**overrides):
+    base = dict(vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256,
+                sink=2, window=5, block_size=4, xa_stride=2, pool_tokens=4)
+    base.update(overrides)
+    return E.Config(**base)
+
+
+def model_and_tokens(cfg, B, S, seed=0):
+    torch.manual_seed(seed)
+    model = E.Transformer(cfg).double().eval()
+    idx = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(seed + 1))
+    return model, idx
+
+
+def random_modes(cfg, B, seed, values=(FULL, STREAMING)):
+    g = torch.Generator().manual_seed(seed)
+    choice = torch.tensor(values)
+    return choice[torch.randint(0, len(values), (cfg.n_layers, B, cfg.n_kv_heads), generator=g)]
+
+
+def test_presets_and_derived_fields():
+    for name in E.PRESETS:
+        cfg = E.Config.preset(name)
+        assert cfg.head_dim * cfg.n_heads == cfg.dim or name == "llama3-8b"
+    big = E.Config.preset("llama3-8b")
+    assert (big.n_heads, big.n_kv_heads, big.head_dim, big.ffn_dim) == (32, 8, 128, 14336)
+    assert E.Config(dim=128).ffn_dim == 352  # 2/3 · 512 = 341.3 → next multiple of 32
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        E.Config.preset("huge")
+
+
+@SETTINGS
+@given(S=st.sampled_from([1, 7, 23, 40]), seed=st.integers(0, 1000))
+def test_batch_with_per_sample_modes_equals_one_at_a_time(S, seed):
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 3, S, seed)
+    modes = random_modes(cfg, 3, seed)
+    logits, info = model(idx, modes=modes)
+    for b in range(3):
+        one, _ = model(idx[b:b + 1], modes=modes[:, b:b + 1])
+        torch.testing.assert_close(logits[b:b + 1], one, rtol=1e-12, atol=1e-12)
+    assert torch.equal(torch.stack(info["modes"]), modes.to(torch.int32))
+
+
+def test_all_full_modes_equal_backbone_and_window_ge_S_streaming_too():
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 2, 30)
+    backbone, info = model(idx)
+    assert torch.equal(info["omega_msr"], torch.zeros(2)) and torch.equal(info["omega_esr"], torch.zeros(2).double())
+    full, _ = model(idx, modes=torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.long))
+    torch.testing.assert_close(full, backbone, rtol=0, atol=0)
+    wide = E.Transformer(tiny(window=64)).double().eval()
+    wide.load_state_dict(model.state_dict())
+    stream, _ = wide(idx, modes=torch.ones(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.long))
+    torch.testing.assert_close(stream, backbone, rtol=1e-12, atol=1e-12)
+    sparse, _ = model(idx, modes=torch.ones(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.long))
+    assert (sparse - backbone).abs().max() > 1e-6, "window 5 < S 30 must change the output"
+
+
+def test_training_mix_endpoints_and_gradient_wrt_z():
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 2, 25)
+    L, B, H = cfg.n_layers, 2, cfg.n_kv_heads
+    modes = random_modes(cfg, B, 3)
+    z_hard = (modes == FULL).double()
+    hybrid, _ = model(idx, modes=modes)
+    mixed, info = model(idx, gates=z_hard)
+    torch.testing.assert_close(mixed, hybrid, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(info["omega_msr"], 1 - z_hard.mean((0, 2)).float())
+
+    # d(out)/dz at one layer: the attention output is linear in z, so the gradient equals
+    # the output difference O(z_h = 1) − O(z_h = 0) projected on any direction R.
+    layer = model.layers[0].self_attn
+    x = torch.randn(B, 25, cfg.dim, dtype=torch.float64)
+    cos, sin = model.rope_cos[:25], model.rope_sin[:25]
+    z = torch.rand(B, H, dtype=torch.float64, requires_grad=True)
+    out, _ = layer(x, cos, sin, gate=z)
+    R = torch.randn_like(out)
+    (grad,) = torch.autograd.grad((out * R).sum(), z)
+    for b in range(B):
+        for h in range(H):
+            hi, lo = z.detach().clone(), z.detach().clone()
+            hi[b, h], lo[b, h] = 1.0, 0.0
+            diff = ((layer(x, cos, sin, gate=hi)[0] - layer(x, cos, sin, gate=lo)[0]) * R).sum()
+            torch.testing.assert_close(grad[b, h], diff, rtol=1e-9, atol=1e-9)
+
+
+def test_mix_with_z_one_is_full_and_zero_is_sparse_per_layer():
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 2, 19)
+    ones = torch.ones(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.float64)
+    torch.testing.assert_close(model(idx, gates=ones)[0], model(idx)[0], rtol=1e-12, atol=1e-12)
+    stream_modes = torch.ones(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.long)
+    torch.testing.assert_close(model(idx, gates=ones * 0)[0], model(idx, modes=stream_modes)[0],
+                               rtol=1e-12, atol=1e-12)
+
+
+@SETTINGS
+@given(prompt=st.sampled_from([1, 6, 13]), new=st.sampled_from([1, 9]), seed=st.integers(0, 1000))
+def test_kv_cache_greedy_generation_equals_recomputation(prompt, new, seed):
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 2, prompt, seed)
+    modes = random_modes(cfg, 2, seed)
+    out, _ = model.generate(idx, new, modes=modes)
+    assert out.shape == (2, prompt + new)
+    seq = idx
+    for _ in range(new):  # the slow way: re-run the whole forward on the growing sequence
+        logits, _ = model(seq, modes=modes)
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+
+
+def test_omega_msr_and_esr_hand_computed():
+    cfg = tiny(n_layers=2, n_kv_heads=2, n_heads=2, sink=1, window=1)
+    model, idx = model_and_tokens(cfg, 1, 4)
+    modes = torch.tensor([[[FULL, STREAMING]], [[STREAMING, STREAMING]]])  # (L, B, Hkv)
+    _, info = model(idx, modes=modes)
+    assert info["omega_msr"].item() == pytest.approx(3 / 4)
+    # Streaming S=4, sink 1, window 1 prunes 3 of 10 pairs (see test_reference): layer 0 mean 0.15, layer 1 0.3.
+    assert info["omega_esr_last"].item() == pytest.approx(0.3)
+    assert info["omega_esr"].item() == pytest.approx(0.225)
+
+
+def test_routers_train_mix_and_eval_modes():
+    import router as R
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 3, 21)
+    model.attach_routers().double()
+    logits, info = model(idx, route=R.hard_concrete_gate)
+    assert all(set(z.detach().unique().tolist()) <= {0.0, 1.0} for z in info["z"])
+    assert info["omega_msr"].requires_grad
+    logits, info = model(idx, route="eval")
+    for la, m in zip(info["log_alpha"], info["modes"]):
+        assert torch.equal(m, torch.where(la > 0, FULL, STREAMING).to(torch.int32))
+    again, _ = model(idx, modes=torch.stack(info["modes"]))
+    torch.testing.assert_close(logits, again, rtol=0, atol=0)
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face interop (the parity test against transformers itself is tests/test_hf_parity.py).
+
+def hf_names(model):
+    sd = {}
+    for k, v in model.state_dict().items():
+        sd[k if k == "lm_head.weight" else "model." + k] = v.clone()
+    return sd
+
+
+@pytest.mark.parametrize("qk_norm, tied", [(False, False), (True, True)])
+def test_hf_state_dict_round_trip(qk_norm, tied):
+    cfg = tiny(qk_norm=qk_norm, tie_embeddings=tied)
+    src, idx = model_and_tokens(cfg, 2, 11, seed=5)
+    hf = hf_names(src)
+    if tied:
+        hf.pop("lm_head.weight")
+    hf["model.rotary_emb.inv_freq"] = torch.zeros(4)  # old checkpoints carry it; ignored
+    dst = E.load_hf_state_dict(E.Transformer(cfg).double(), hf)
+    torch.testing.assert_close(dst(idx)[0], src(idx)[0], rtol=0, atol=0)
+    bad = dict(hf)
+    bad["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="q_proj.weight: checkpoint shape"):
+        E.load_hf_state_dict(E.Transformer(cfg).double(), bad)
+    bad = dict(hf)
+    bad.pop("model.norm.weight")
+    with pytest.raises(ValueError, match="missing.*norm.weight"):
+        E.load_hf_state_dict(E.Transformer(cfg).double(), bad)
+
+
+def hf_config(model_type="llama", **extra):
+    d = dict(model_type=model_type, vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+             max_position_embeddings=128, tie_word_embeddings=False)
+    d.update(extra)
+    return d
+
+
+def test_config_from_hf():
+    cfg = E.Config.from_hf(hf_config())
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.qk_norm) == \
+        (32, 2, 4, 2, 8, 64, False)
+    q3 = E.Config.from_hf(hf_config("qwen3", head_dim=16, tie_word_embeddings=True))
+    assert q3.qk_norm and q3.head_dim == 16 and q3.tie_embeddings
+    rs = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)
+    assert E.Config.from_hf(hf_config(rope_scaling=rs)).rope_scaling["factor"] == 8.0
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        E.Config.from_hf(hf_config("gpt2"))
+    with pytest.raises(ValueError, match="yarn"):
+        E.Config.from_hf(hf_config(rope_scaling=dict(rope_type="yarn", factor=4.0)))
+
+
+def test_from_pretrained_hf_reads_safetensors(tmp_path):
+    st_torch = pytest.importorskip("safetensors.torch")
+    d = hf_config()
+    src = E.Transformer(E.Config.from_hf(d))
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    sd = hf_names(src)
+    keys = sorted(sd)
+    st_torch.save_file({k: sd[k].contiguous() for k in keys[:5]}, str(tmp_path / "model-00001.safetensors"))
+    st_torch.save_file({k: sd[k].contiguous() for k in keys[5:]}, str(tmp_path / "model-00002.safetensors"))
+    dst = E.from_pretrained_hf(str(tmp_path))
+    idx = torch.randint(0, 40, (1, 9))
+    torch.testing.assert_close(dst(idx)[0], src(idx)[0], rtol=0, atol=0)
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies():
+    rs = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    cos0, _ = E.rope_tables(16, 256, 10000.0)
+    cos1, _ = E.rope_tables(16, 256, 10000.0, rs)
+    assert torch.equal(cos0[:, 0], cos1[:, 0])  # the highest frequency is untouched
+    assert not torch.equal(cos0[:, 7], cos1[:, 7])  # the lowest one is stretched
+
+
+# -----------------------------------------------------------------------------
+# Bad input.
+
+def test_model_bad_input_raises():
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 1, 8)
+    with pytest.raises(ValueError, match="exceeds max_seq_len 256"):
+        model(torch.zeros(1, 300, dtype=torch.long))
+    with pytest.raises(ValueError, match="max 40"):
+        model(torch.full((1, 4), 40))
+    with pytest.raises(ValueError, match="min -1"):
+        model(torch.full((1, 4), -1))
+    with pytest.raises(ValueError, match="long tensor"):
+        model(idx.float())
+    with pytest.raises(ValueError, match="attach_routers"):
+        model(idx, route="eval")
+    with pytest.raises(ValueError, match="one entry per layer"):
+        model(idx, modes=torch.zeros(1, 1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="modes must be in"):
+        model(idx, modes=torch.full((2, 1, 2), 5))
+    with pytest.raises(ValueError, match="query heads 6 not a multiple of KV heads 4"):
+        tiny(n_heads=6, n_kv_heads=4)
+    with pytest.raises(ValueError, match="window"):
+        tiny(window=0)
+    with pytest.raises(ValueError, match="head_config"):
+        tiny(head_config="FA-XYZ")
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        model.generate(idx, 300)

@@ -1,0 +1,217 @@
+"""The ground truth itself: mask predicates, hybrid_mask, the naive reference, Ω_ESR, bad input.
+
+Everything else in the project is tested against these, so they are tested against the most
+literal code we can write: Python loops over (i, j) straight from the definitions in PAPER.md §3.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import kernels as K
+from kernels import BLOCK_SPARSE, FULL, STREAMING
+
+SETTINGS = settings(max_examples=30, deadline=None)
+
+
+def loop_mask(S, mode, sink, window, block_mask=None, block_size=64):
+    """One head's (S, S) mask, one pair at a time, from the definitions."""
+    m = torch.zeros(S, S, dtype=torch.bool)
+    for i in range(S):
+        for j in range(i + 1):
+            if mode == FULL:
+                m[i, j] = True
+            elif mode == STREAMING:
+                m[i, j] = j < sink or i - j < window
+            else:
+                m[i, j] = bool(block_mask[i // block_size, j // block_size])
+    return m
+
+
+def loop_attention(q, k, v, mask):
+    """One head, float64, softmax written out: q/k/v (S, D), mask (S, S)."""
+    S, D = q.shape
+    out = torch.zeros(S, D, dtype=torch.float64)
+    for i in range(S):
+        keys = mask[i].nonzero().flatten()
+        if len(keys) == 0:
+            continue
+        s = torch.stack([q[i] @ k[j] for j in keys]) / math.sqrt(D)
+        p = torch.exp(s - s.max())
+        out[i] = (p[:, None] * v[keys]).sum(0) / p.sum()
+    return out
+
+
+def random_case(B, Hkv, G, S, D, block_size, seed, p_block=0.5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, S, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64)
+    modes = torch.randint(0, 3, (B, Hkv), generator=g)
+    nB = K.num_blocks(S, block_size)
+    block_mask = torch.rand(B, Hkv, nB, nB, generator=g) < p_block
+    return q, k, v, modes, block_mask
+
+
+lengths = st.sampled_from([1, 2, 7, 16, 17, 31, 64, 97, 130])
+
+
+@SETTINGS
+@given(S=lengths, sink=st.integers(0, 20), window=st.integers(1, 40), block_size=st.sampled_from([4, 16, 64]),
+       seed=st.integers(0, 2**16))
+def test_hybrid_mask_matches_definition(S, sink, window, block_size, seed):
+    _, _, _, modes, bm = random_case(2, 3, 1, S, 4, block_size, seed)
+    mask = K.hybrid_mask(S, modes, sink, window, bm, block_size)
+    for b in range(2):
+        for h in range(3):
+            want = loop_mask(S, int(modes[b, h]), sink, window, bm[b, h], block_size)
+            assert torch.equal(mask[b, h], want), f"b={b} h={h} mode={int(modes[b, h])}"
+
+
+@SETTINGS
+@given(S=st.sampled_from([1, 5, 17, 40]), G=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+def test_naive_attention_matches_loops_and_gqa_shares_modes(S, G, seed):
+    """Each query head uses the mask of its KV head h // G (contiguous groups)."""
+    q, k, v, modes, bm = random_case(2, 2, G, S, 8, 4, seed)
+    out = K.hybrid_attention(q, k, v, modes, 2, 3, bm, 4, backend="reference")
+    for b in range(2):
+        for hq in range(2 * G):
+            hk = hq // G
+            mask = loop_mask(S, int(modes[b, hk]), 2, 3, bm[b, hk], 4)
+            want = loop_attention(q[b, hq], k[b, hk], v[b, hk], mask)
+            torch.testing.assert_close(out[b, hq], want, rtol=1e-10, atol=1e-10)
+
+
+@SETTINGS
+@given(S=lengths, sink=st.integers(0, 8), seed=st.integers(0, 2**16))
+def test_streaming_with_window_at_least_S_is_full(S, sink, seed):
+    q, k, v, _, _ = random_case(1, 2, 2, S, 8, 16, seed)
+    full = torch.full((1, 2), FULL)
+    stream = torch.full((1, 2), STREAMING)
+    for window in (S, S + 5):
+        assert torch.equal(K.hybrid_mask(S, stream, sink, window), K.hybrid_mask(S, full, sink, window))
+        torch.testing.assert_close(K.hybrid_attention(q, k, v, stream, sink, window),
+                                   K.hybrid_attention(q, k, v, full, sink, window), rtol=0, atol=0)
+
+
+@SETTINGS
+@given(S=lengths, window=st.integers(1, 10), seed=st.integers(0, 2**16))
+def test_streaming_with_sink_at_least_S_is_full(S, window, seed):
+    modes = torch.full((1, 1), STREAMING)
+    assert torch.equal(K.hybrid_mask(S, modes, S, window), K.hybrid_mask(S, modes * 0, 0, window))
+
+
+@SETTINGS
+@given(S=lengths, block_size=st.sampled_from([4, 16, 64]), seed=st.integers(0, 2**16))
+def test_block_sparse_with_every_block_on_is_full(S, block_size, seed):
+    q, k, v, _, _ = random_case(1, 2, 1, S, 8, block_size, seed)
+    nB = K.num_blocks(S, block_size)
+    bm = torch.ones(1, 2, nB, nB, dtype=torch.bool)
+    out = K.hybrid_attention(q, k, v, torch.full((1, 2), BLOCK_SPARSE), 0, 1, bm, block_size)
+    torch.testing.assert_close(out, K.hybrid_attention(q, k, v, torch.zeros(1, 2, dtype=torch.long), 0, 1),
+                               rtol=0, atol=0)
+
+
+def test_rows_with_no_visible_key_are_zero_not_nan():
+    S, bs = 20, 4
+    q, k, v, _, _ = random_case(1, 1, 2, S, 8, bs, 0)
+    nB = K.num_blocks(S, bs)
+    bm = torch.ones(1, 1, nB, nB, dtype=torch.bool)
+    bm[0, 0, 2, :] = False  # query block 2 (rows 8..11) sees nothing
+    q.requires_grad_(True)
+    out = K.hybrid_attention(q, k, v, torch.full((1, 1), BLOCK_SPARSE), 0, 1, bm, bs)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0, :, 8:12], torch.zeros_like(out[0, :, 8:12]))
+    assert out[0, :, 12:].abs().sum() > 0
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all(), "gradient through an empty row must stay finite"
+
+
+@SETTINGS
+@given(S=lengths, seed=st.integers(0, 2**16))
+def test_batch_with_different_modes_equals_one_sample_at_a_time(S, seed):
+    q, k, v, modes, bm = random_case(3, 2, 2, S, 8, 16, seed)
+    out = K.hybrid_attention(q, k, v, modes, 3, 5, bm, 16)
+    for b in range(3):
+        one = K.hybrid_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], modes[b:b + 1], 3, 5, bm[b:b + 1], 16)
+        torch.testing.assert_close(out[b:b + 1], one, rtol=0, atol=0)
+
+
+def test_omega_esr_hand_computed():
+    # S = 4, sink 1, window 1: row i keeps {0, i} → 1 + 2 + 2 + 2 = 7 of 10 causal pairs.
+    modes = torch.tensor([[FULL, STREAMING]])
+    mask = K.hybrid_mask(4, modes, 1, 1)
+    assert mask[0, 1].sum() == 7
+    assert K.omega_esr(mask).item() == pytest.approx((0.0 + 0.3) / 2)
+    # Two layers: the mean over layers.
+    mask_full = K.hybrid_mask(4, torch.tensor([[FULL, FULL]]), 1, 1)
+    assert K.omega_esr([mask, mask_full]).item() == pytest.approx(0.075)
+    # Block-sparse S = 8, block 4, only the diagonal blocks: 2 × (1+2+3+4) = 20 of 36 pairs kept.
+    bm = torch.eye(2, dtype=torch.bool).view(1, 1, 2, 2)
+    m = K.hybrid_mask(8, torch.tensor([[BLOCK_SPARSE]]), 0, 1, bm, 4)
+    assert K.omega_esr(m).item() == pytest.approx(1 - 20 / 36)
+
+
+@SETTINGS
+@given(S=lengths, sink=st.integers(0, 20), window=st.integers(1, 40), block_size=st.sampled_from([4, 16]),
+       seed=st.integers(0, 2**16))
+def test_closed_form_esr_equals_mask_esr(S, sink, window, block_size, seed):
+    _, _, _, modes, bm = random_case(2, 3, 1, S, 4, block_size, seed)
+    mask = K.hybrid_mask(S, modes, sink, window, bm, block_size)
+    assert torch.equal(K.kept_pairs(S, modes, sink, window, bm, block_size), mask.sum((-2, -1)).double())
+    torch.testing.assert_close(K.omega_esr_closed_form(S, modes, sink, window, bm, block_size), K.omega_esr(mask))
+
+
+def test_reference_is_differentiable_in_float32():
+    q, k, v, modes, bm = random_case(1, 2, 2, 33, 8, 16, 1)
+    q, k, v = (t.float().requires_grad_(True) for t in (q, k, v))
+    K.hybrid_attention(q, k, v, modes, 2, 4, bm, 16).square().sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+# -----------------------------------------------------------------------------
+# Bad input: a clear ValueError naming the bad value.
+
+def _qkv(Hq=4, Hkv=2, S=8, D=8, dtype=torch.float32):
+    return torch.randn(1, Hq, S, D, dtype=dtype), torch.randn(1, Hkv, S, D, dtype=dtype), \
+        torch.randn(1, Hkv, S, D, dtype=dtype)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(window=0), "window"),
+    (dict(sink=-1), "sink"),
+    (dict(block_size=12), "power of two"),
+    (dict(modes=torch.tensor([[0, 3]])), "modes"),
+    (dict(modes=torch.tensor([[0, -1]])), "modes"),
+    (dict(modes=torch.tensor([[0, 1, 1]])), "shape"),
+    (dict(modes=torch.tensor([[0.0, 1.0]])), "integer"),
+    (dict(modes=torch.tensor([[0, 2]])), "block_mask is None"),
+    (dict(modes=torch.tensor([[0, 2]]), block_mask=torch.ones(1, 2, 3, 3, dtype=torch.bool)), "block_mask"),
+    (dict(modes=torch.tensor([[0, 2]]), block_mask=torch.ones(1, 2, 2, 2)), "bool"),
+    (dict(backend="cuda-magic"), "backend"),
+])
+def test_bad_arguments_raise(kwargs, match):
+    q, k, v = _qkv()
+    args = dict(modes=torch.tensor([[0, 1]]), sink=1, window=2, block_mask=None, block_size=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        K.hybrid_attention(q, k, v, **args)
+
+
+def test_bad_tensors_raise():
+    modes = torch.tensor([[0, 1]])
+    q, k, v = _qkv(Hq=3, Hkv=2)
+    with pytest.raises(ValueError, match="query heads 3 not a multiple of KV heads 2"):
+        K.hybrid_attention(q, k, v, torch.tensor([[0, 1]]), 1, 2)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="dtypes differ"):
+        K.hybrid_attention(q.double(), k, v, modes, 1, 2)
+    with pytest.raises(ValueError, match="must both be"):
+        K.hybrid_attention(q, k[:, :, :5], v[:, :, :5], modes, 1, 2)
+    with pytest.raises(ValueError, match="4-d"):
+        K.hybrid_attention(q[0], k, v, modes, 1, 2)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="devices differ"):
+            K.hybrid_attention(q.cuda(), k, v, modes, 1, 2)

@@ -1,0 +1,486 @@
+"""Tests for router.py: the hard-concrete gate, boundary pooling, the Lagrangian, training plumbing.
+
+Convention under test: z = 1 means FULL attention, z = 0 means SPARSE. Run from the repository
+root (`python -m pytest tests/test_router.py`); everything is CPU and takes a few seconds.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import router
+from router import (AttentionRouter, SparsityLagrangian, boundary_pool, build_optimizer,
+                    deterministic_gate, freeze_backbone, gumbel_softmax_gate, hard_concrete_gate,
+                    hard_concrete_sample, omega_msr, prob_full, prob_nonzero, prob_one, prob_zero,
+                    routing_stats)
+
+FAST = settings(max_examples=40, deadline=None)
+
+log_alphas = st.floats(-1e4, 1e4, allow_nan=False, width=32)
+uniforms = st.floats(0.0, 1.0, width=32)   # includes 0 and 1: the sampler must clamp them to [ε, 1 − ε]
+
+# -----------------------------------------------------------------------------
+# 1. The hard-concrete gate
+
+
+@FAST
+@given(st.lists(st.tuples(log_alphas, log_alphas, uniforms), min_size=1, max_size=64))
+def test_sample_in_unit_interval_finite_and_monotone(rows):
+    a, b, u = (torch.tensor(c, dtype=torch.float32) for c in zip(*rows))
+    lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+    z_lo, z_hi = hard_concrete_sample(lo, u), hard_concrete_sample(hi, u)
+    for z in (z_lo, z_hi):
+        assert torch.isfinite(z).all(), f"non-finite z̃ {z} for log α {lo}, {hi}, u {u}"
+        assert ((z >= 0) & (z <= 1)).all(), f"z̃ out of [0, 1]: {z}"
+    worse = z_lo > z_hi
+    assert not worse.any(), (f"z̃ not monotone in log α: log α {lo[worse]} -> {z_lo[worse]}, "
+                             f"{hi[worse]} -> {z_hi[worse]} (u {u[worse]})")
+
+
+def test_closed_forms_match_paper_numbers():
+    zero = torch.tensor(0.0)
+    # PAPER.md §5: at log α = 0 both ends have probability ≈ 0.168, and P(FULL) = ½.
+    assert abs(prob_zero(zero).item() - 0.168) < 1e-3, prob_zero(zero).item()
+    assert abs(prob_one(zero).item() - 0.168) < 1e-3, prob_one(zero).item()
+    assert prob_full(zero).item() == 0.5
+    la = torch.linspace(-5, 5, 11)
+    torch.testing.assert_close(prob_nonzero(la), 1 - prob_zero(la))
+
+
+@pytest.mark.parametrize("la", [-3.0, -1.0, 0.0, 0.5, 2.0])
+def test_empirical_probabilities_match_closed_forms(la, restore_rng):
+    n = 200_000
+    gen = torch.Generator().manual_seed(1234)
+    before = torch.random.get_rng_state()
+    log_alpha = torch.full((n,), la)
+    z_soft = hard_concrete_sample(log_alpha, generator=gen)
+    z = hard_concrete_gate(log_alpha, generator=gen)
+    assert torch.equal(torch.random.get_rng_state(), before), "a seeded generator must leave the global RNG alone"
+    t = torch.tensor(la)
+    for name, hits, p in (("P(z̃=0)", z_soft == 0, prob_zero(t)), ("P(z̃=1)", z_soft == 1, prob_one(t)),
+                          ("P(z̃>0)", z_soft > 0, prob_nonzero(t)), ("P(hard=FULL)", z == 1, prob_full(t))):
+        emp, p = hits.double().mean().item(), p.item()
+        sd = math.sqrt(p * (1 - p) / n)
+        assert abs(emp - p) < 5 * sd, f"log α={la}: {name} empirical {emp:.5f} vs closed form {p:.5f} (sd {sd:.5f})"
+
+
+def test_gate_convention_one_is_full():
+    big = torch.tensor([40.0, -40.0])   # beyond the noise's reach (|logistic noise| <= 13.8)
+    for _ in range(3):
+        assert hard_concrete_gate(big).tolist() == [1.0, 0.0]
+        assert gumbel_softmax_gate(big, tau=1.0).tolist() == [1.0, 0.0]
+    assert deterministic_gate(big).tolist() == [1.0, 0.0]
+
+
+@FAST
+@given(st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=1, max_size=32))
+def test_eval_gate_deterministic_and_leaves_rng_alone(vals):
+    la = torch.tensor(vals)
+    before = torch.random.get_rng_state()
+    z1, z2 = deterministic_gate(la), deterministic_gate(la)
+    assert torch.equal(torch.random.get_rng_state(), before), "deterministic_gate consumed RNG"
+    assert torch.equal(z1, z2)
+    assert z1.dtype == torch.float32
+    assert torch.equal(z1, (la > 0).float()), f"log α {la} -> z {z1}"
+
+
+@FAST
+@given(st.lists(st.tuples(st.floats(-8, 8, width=32), uniforms),
+                min_size=1, max_size=64))
+def test_straight_through_gradient(rows):
+    la_vals, u_vals = zip(*rows)
+    u = torch.tensor(u_vals)
+    la = torch.tensor(la_vals, requires_grad=True)
+    z = hard_concrete_gate(la, u)
+    z_soft = hard_concrete_sample(la.detach(), u)
+    assert torch.equal(z.detach(), (z_soft > 0.5).float()), f"forward is not the hard decision: {z} vs {z_soft}"
+    z.sum().backward()
+    inside = (z_soft > 0) & (z_soft < 1)           # 0 < s̄ < 1: not clamped
+    assert (la.grad[inside] > 0).all(), f"zero STE gradient where 0 < s̄ < 1: z̃ {z_soft[inside]}, grad {la.grad[inside]}"
+    assert (la.grad[~inside] == 0).all(), f"gradient where z̃ is clamped: {la.grad[~inside]}"
+
+# --- the paper's alternative ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("logit,tau", [(-1.5, 1.5), (0.0, 1.0), (0.0, 0.3), (1.0, 1.2)])
+def test_gumbel_gate_full_probability_is_sigmoid_for_any_tau(logit, tau, restore_rng):
+    n = 200_000
+    gen = torch.Generator().manual_seed(7)
+    z = gumbel_softmax_gate(torch.full((n,), logit), tau, generator=gen)
+    emp, p = (z == 1).double().mean().item(), torch.sigmoid(torch.tensor(logit)).item()
+    sd = math.sqrt(p * (1 - p) / n)
+    assert abs(emp - p) < 5 * sd, f"logit {logit}, tau {tau}: P(hard=1) {emp:.5f} vs σ(logit) {p:.5f} (sd {sd:.5f})"
+    # The authors' single-Gumbel sigmoid would give 1 − exp(−e^logit): at logit 0 that is 0.632, far outside.
+    if logit == 0.0:
+        assert abs(emp - (1 - math.exp(-1))) > 50 * sd
+
+
+def test_gumbel_gate_is_two_logit_softmax_and_has_ste_gradient():
+    u = torch.tensor([0.2, 0.5, 0.9])
+    logit = torch.tensor([0.3, -0.4, 1.0], requires_grad=True)
+    z = gumbel_softmax_gate(logit, tau=0.7, u=u)
+    # noise log u − log(1 − u) plays g1 − g0; softmax over (logit + g1, g0) gives the same soft value
+    g1, g0 = torch.log(u) - torch.log1p(-u), torch.zeros(3)
+    soft = torch.softmax(torch.stack([logit.detach() + g1, g0], -1) / 0.7, -1)[:, 0]
+    assert torch.equal(z.detach(), (soft > 0.5).float()), f"hard {z} vs two-logit softmax {soft}"
+    z.sum().backward()
+    assert (logit.grad > 0).all(), logit.grad
+    with pytest.raises(ValueError, match="tau"):
+        gumbel_softmax_gate(logit, tau=0.0)
+
+
+def test_temperature_schedules():
+    assert router.tau_exponential(0.0) == 1.5
+    assert abs(router.tau_exponential(0.5) - 1.5 * math.exp(-0.3)) < 1e-12
+    assert router.tau_exponential(1.0) == 1.0     # 1.5·e^−0.6 = 0.82 is below the floor
+    taus = [router.tau_exponential(p / 20) for p in range(21)]
+    assert all(a >= b for a, b in zip(taus, taus[1:])), taus
+    assert router.tau_cosine(0.0) == 1.5
+    assert abs(router.tau_cosine(0.3) - 1.25) < 1e-12, router.tau_cosine(0.3)
+    assert router.tau_cosine(0.6) == 1.0 and router.tau_cosine(0.9) == 1.0
+    with pytest.raises(ValueError, match="progress"):
+        router.tau_cosine(1.5)
+
+# -----------------------------------------------------------------------------
+# 2. Boundary pooling and the router
+
+
+def reference_pool(k, lengths, P):
+    """Plain loop: the set of positions {0..P−1} ∪ {L−P..L−1} inside [0, L), each counted once."""
+    out = []
+    for b, L in enumerate(lengths.tolist()):
+        positions = sorted(set(range(min(P, L))) | set(range(max(0, L - P), L)))
+        out.append(k[b, :, positions].double().mean(1))          # (Hkv, D)
+    return torch.stack(out)                                      # (B, Hkv, D)
+
+
+@st.composite
+def keys_and_lengths(draw, P=5):
+    B = draw(st.integers(1, 3))
+    Hkv = draw(st.integers(1, 3))
+    S = draw(st.integers(1, 4 * P))
+    lengths = torch.tensor(draw(st.lists(st.integers(1, S), min_size=B, max_size=B)))
+    seed = draw(st.integers(0, 2 ** 16))
+    k = torch.randn(B, Hkv, S, 8, generator=torch.Generator().manual_seed(seed))
+    return k, lengths
+
+
+@FAST
+@given(keys_and_lengths())
+def test_boundary_pool_matches_explicit_mean(kl):
+    k, lengths = kl
+    got, want = boundary_pool(k, lengths, 5), reference_pool(k, lengths, 5)
+    err = (got.double() - want).abs().max().item()
+    assert got.dtype == torch.float32 and err < 1e-5, f"lengths {lengths.tolist()}: max diff {err}"
+
+
+@FAST
+@given(keys_and_lengths())
+def test_router_ignores_middle_tokens_and_padding(kl):
+    k, lengths = kl
+    P = 5
+    r = AttentionRouter(8, hidden_mult=2, pool_tokens=P)
+    S = k.shape[2]
+    pos = torch.arange(S).view(1, 1, S, 1)
+    L = lengths.view(-1, 1, 1, 1)
+    middle = (pos >= P) & (pos < L - P)       # strictly between the first P and the last P real tokens
+    padding = pos >= L
+    with torch.no_grad():
+        base = r(k, lengths)
+        for name, where in (("middle", middle), ("padding", padding)):
+            k2 = torch.where(where, 100 * torch.randn_like(k), k)
+            out = r(k2, lengths)
+            assert torch.equal(out, base), (f"changing {name} tokens (lengths {lengths.tolist()}, S {S}) moved "
+                                            f"log α by {(out - base).abs().max().item()}")
+
+
+def test_short_sample_uses_each_token_once():
+    P, D = 6, 8
+    r = AttentionRouter(D, hidden_mult=2, pool_tokens=P)
+    k = torch.randn(2, 3, 20, D, generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([9, 20])          # 9 < 2P: head [0, 6) and tail [3, 9) overlap
+    with torch.no_grad():
+        got = r(k, lengths)
+        explicit = k[0, :, :9].mean(1)       # (Hkv, D): every real token exactly once
+        want = r.router_mlp(r.task_mlp(explicit)).squeeze(-1)
+    err = (got[0] - want).abs().max().item()
+    assert err < 1e-6, f"short sample: log α {got[0].tolist()} vs explicit mean {want.tolist()} (diff {err})"
+    # Sanity: double-counting the overlap [3, 6) would pool a different vector.
+    double = torch.cat([k[0, :, :6], k[0, :, 3:9]], 1).mean(1)
+    assert (double - explicit).abs().max() > 1e-3
+
+
+@FAST
+@given(st.integers(1, 5), st.integers(0, 2 ** 16))
+def test_permuting_heads_permutes_log_alpha(Hkv, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = AttentionRouter(8, hidden_mult=2, pool_tokens=4)
+    k = torch.randn(2, Hkv, 11, 8, generator=gen)
+    perm = torch.randperm(Hkv, generator=gen)
+    with torch.no_grad():
+        a, b = r(k)[:, perm], r(k[:, perm])
+    err = (a - b).abs().max().item()
+    assert err < 1e-6, f"perm {perm.tolist()}: max diff {err}"
+
+
+def test_router_init_is_undecided_but_trainable(restore_rng):
+    torch.manual_seed(0)
+    r = AttentionRouter(16, pool_tokens=4)
+    k = torch.randn(8, 4, 32, 16)
+    la = r(k)
+    p = torch.sigmoid(la)
+    assert la.shape == (8, 4) and la.dtype == torch.float32
+    assert ((p > 0.45) & (p < 0.55)).all(), f"initial P(FULL) not near ½: {p.min().item()}..{p.max().item()}"
+    la.sum().backward()
+    first = r.task_mlp[0].weight.grad
+    assert first is not None and first.abs().max() > 0, "no gradient reaches the router's first layer at init"
+
+
+def test_router_computes_in_float32_for_bf16_keys():
+    torch.manual_seed(0)
+    r = AttentionRouter(8, pool_tokens=3)
+    k = torch.randn(2, 2, 10, 8).bfloat16()
+    out = r(k)
+    ref = r(k.float())
+    assert out.dtype == torch.float32
+    assert torch.equal(out, ref), f"bf16 keys: {out} vs fp32 of the same keys {ref}"
+
+
+def test_router_rejects_bad_input():
+    r = AttentionRouter(8, pool_tokens=3)
+    k = torch.randn(2, 2, 10, 8)
+    with pytest.raises(ValueError, match="lengths must be in"):
+        r(k, torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="lengths must be in"):
+        r(k, torch.tensor([11, 5]))
+    with pytest.raises(ValueError, match="integer tensor"):
+        r(k, torch.tensor([5.0, 5.0]))
+    with pytest.raises(ValueError, match="D=8"):
+        r(torch.randn(2, 2, 10, 4))
+    with pytest.raises(ValueError, match="pool_tokens"):
+        AttentionRouter(8, pool_tokens=0)
+
+# -----------------------------------------------------------------------------
+# 3. Ω_MSR and the Lagrangian
+
+
+def test_omega_msr_value_and_gradient():
+    zs = [torch.tensor([[1.0, 0.0], [1.0, 1.0]], requires_grad=True),
+          torch.tensor([[0.0, 0.0], [1.0, 0.0]], requires_grad=True)]   # L=2 layers of (B=2, Hkv=2)
+    om = omega_msr(zs)
+    assert om.tolist() == [0.75, 0.25], om
+    om[0].backward()
+    assert zs[0].grad[0].tolist() == [-0.25, -0.25] and zs[0].grad[1].tolist() == [0.0, 0.0], zs[0].grad
+    with pytest.raises(ValueError, match="same shape"):
+        omega_msr([torch.zeros(2, 2), torch.zeros(2, 3)])
+
+
+@FAST
+@given(st.lists(st.floats(0, 1, width=32), min_size=1, max_size=8), st.floats(0, 1), st.booleans())
+def test_lagrangian_gradients_in_lambda(omegas, target, abs_variant):
+    lag = SparsityLagrangian(1, [target], abs_variant=abs_variant)
+    omega = torch.tensor(omegas)
+    lag(omega, torch.zeros(len(omegas), dtype=torch.long)).backward()
+    gap = omega.double() - torch.tensor(target, dtype=torch.float32).double()
+    want1 = (gap.abs() if abs_variant else gap).mean().item()
+    want2 = (gap ** 2).mean().item()
+    g1, g2 = lag.lambda1.grad.item(), lag.lambda2.grad.item()
+    assert abs(g1 - want1) < 1e-6 and abs(g2 - want2) < 1e-6, f"dλ1 {g1} vs {want1}, dλ2 {g2} vs {want2}"
+
+
+def test_lagrangian_averages_per_task_then_over_tasks():
+    lag = SparsityLagrangian(3, [router.SENSITIVE_TARGET, router.ROBUST_TARGET, 0.5])
+    with torch.no_grad():
+        lag.lambda1.copy_(torch.tensor([1.0, 2.0, 5.0]))
+        lag.lambda2.copy_(torch.tensor([0.5, 0.0, 5.0]))
+    omega = torch.tensor([0.5, 0.6, 0.9, 0.8], requires_grad=True)
+    task = torch.tensor([0, 0, 0, 1])                      # task 2 absent: it must not count
+    term = lag(omega, task)
+    t0 = sum(1.0 * (o - 0.7) + 0.5 * (o - 0.7) ** 2 for o in (0.5, 0.6, 0.9)) / 3
+    t1 = 2.0 * (0.8 - 1.0)
+    assert abs(term.item() - (t0 + t1) / 2) < 1e-6, f"term {term.item()} vs hand {(t0 + t1) / 2}"
+    term.backward()
+    # ∂/∂Ω of sample 3 (alone in task 1) = λ1/2; Ω carries gradient to the routers
+    assert abs(omega.grad[3].item() - 1.0) < 1e-6, omega.grad
+    assert lag.lambda1.grad[2].item() == 0.0
+
+
+def test_lagrangian_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        SparsityLagrangian(2, [0.7, 1.2])
+    with pytest.raises(ValueError, match="one target per task"):
+        SparsityLagrangian(2, [0.7])
+    lag = SparsityLagrangian(2, [0.7, 1.0])
+    with pytest.raises(ValueError, match=r"task ids must be in \[0, 2\), got \[2\]"):
+        lag(torch.tensor([0.5, 0.5]), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="integer"):
+        lag(torch.tensor([0.5]), torch.tensor([0.0]))
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        lag(torch.tensor([0.5, 0.5]), torch.tensor([0]))
+    assert lag.stats() == {"lambda1/0": 0.0, "lambda1/1": 0.0, "lambda2/0": 0.0, "lambda2/1": 0.0}
+
+# -----------------------------------------------------------------------------
+# 4. Optimizer, min-max, freezing
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_honours_maximize_per_param_group(foreach):
+    w, lam = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([dict(params=[w]), dict(params=[lam], maximize=True)], lr=0.1, foreach=foreach)
+    (w.sum() + lam.sum()).backward()                       # both gradients +1
+    opt.step()
+    assert (w < 0).all() and (lam > 0).all(), f"w {w.tolist()} should descend, λ {lam.tolist()} should ascend"
+
+
+def test_build_optimizer_groups_and_schedule():
+    r = AttentionRouter(8, pool_tokens=3)
+    lag = SparsityLagrangian(2, [0.7, 1.0])
+    opt, sched = build_optimizer(r.parameters(), lag, total_steps=100)
+    groups = {g["name"]: g for g in opt.param_groups}
+    assert (groups["router"]["weight_decay"], groups["router"]["maximize"]) == (0.1, False)
+    assert (groups["router_bias"]["weight_decay"], groups["lambda"]["weight_decay"]) == (0.0, 0.0)
+    assert groups["lambda"]["maximize"] is True and groups["router"]["betas"] == (0.9, 0.95)
+    n_router = sum(len(groups[n]["params"]) for n in ("router", "router_bias"))
+    assert n_router == len(list(r.parameters())) and len(groups["lambda"]["params"]) == 2
+    lrs = []
+    for _ in range(100):
+        lrs.append({n: g["lr"] for n, g in groups.items()})
+        opt.step()
+        sched.step()
+    # warm-up over the first 20 steps to the peak (5e-4 / 1e-3), then cosine down to ~0
+    assert abs(lrs[0]["router"] - 5e-4 / 21) < 1e-12, lrs[0]
+    assert abs(lrs[20]["router"] - 5e-4) < 1e-12 and abs(lrs[20]["lambda"] - 1e-3) < 1e-12, lrs[20]
+    assert abs(lrs[60]["router"] - 2.5e-4) < 1e-12, lrs[60]
+    assert lrs[99]["router"] < 1e-6, lrs[99]
+    peak = [x["router"] for x in lrs]
+    assert peak.index(max(peak)) == 20
+
+
+def test_toy_min_max_reaches_target_sparsity():
+    """Free logits for 5 layers × 8 heads; an "LM loss" that charges c_h for every sparse head
+    (some heads matter more) pulls towards FULL; the Lagrangian with target 0.7 pushes back."""
+    gen = torch.Generator().manual_seed(0)
+    L, H, B, steps = 5, 8, 32, 300
+    logits = nn.Parameter(torch.zeros(L, H))
+    cost = torch.linspace(0.5, 1.5, L * H).view(L, H)     # (L, Hkv) how much each head helps the LM
+    lag = SparsityLagrangian(1, [router.SENSITIVE_TARGET])
+    # Free logits need a much larger lr than an MLP's weights to move within 300 steps.
+    opt, sched = build_optimizer([logits], lag, steps, router_lr=0.05, lambda_lr=0.05, weight_decay=0.0)
+    train_omega = []
+    for _ in range(steps):
+        z = hard_concrete_gate(logits.expand(B, L, H), generator=gen)   # (B, L, Hkv)
+        om = omega_msr(list(z.transpose(0, 1)))                          # (B,)
+        lm = ((1 - z) * cost).mean(dim=(1, 2))                           # (B,)
+        loss = lm.mean() + lag(om, torch.zeros(B, dtype=torch.long))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        train_omega.append(om.mean().item())
+    final = omega_msr(list(deterministic_gate(logits.detach()).unsqueeze(1))).item()
+    late = sum(train_omega[-50:]) / 50
+    lam1 = lag.lambda1.item()
+    assert abs(final - 0.7) < 0.05, f"eval Ω_MSR {final:.3f}, last-50 train Ω_MSR {late:.3f}, λ1 {lam1:.3f}"
+    assert abs(late - 0.7) < 0.06, f"last-50 train Ω_MSR {late:.3f}, eval {final:.3f}"
+    assert lam1 < 0, f"λ1 should have turned negative (a reward for sparsity), got {lam1}"
+    # the sparse heads should be the cheap ones
+    sparse_cost = cost[deterministic_gate(logits.detach()) == 0].mean().item()
+    assert sparse_cost < cost.mean().item(), f"mean cost of sparse heads {sparse_cost} vs all {cost.mean().item()}"
+
+
+class TinyModel(nn.Module):
+    """A stand-in with the two things freeze_backbone relies on: a backbone and `routers`."""
+
+    def __init__(self, Hkv=2, D=8, n_layers=2):
+        super().__init__()
+        self.Hkv, self.D = Hkv, D
+        self.backbone = nn.Linear(4, Hkv * D)
+        self.head = nn.Linear(Hkv * D, 1)
+        self.routers = nn.ModuleList(AttentionRouter(D, hidden_mult=2, pool_tokens=3) for _ in range(n_layers))
+
+    def forward(self, x, gate):
+        B, S, _ = x.shape
+        k = self.backbone(x).view(B, S, self.Hkv, self.D).transpose(1, 2)    # (B, Hkv, S, D)
+        zs = [gate(r(k)) for r in self.routers]                               # L x (B, Hkv)
+        z = torch.stack(zs).mean(0)                                           # (B, Hkv)
+        feats = (k * z[:, :, None, None]).transpose(1, 2).reshape(B, S, -1)   # (B, S, Hkv·D)
+        return self.head(feats).pow(2).mean(), zs
+
+
+def test_freeze_backbone_trains_only_routers_and_lambdas(restore_rng):
+    torch.manual_seed(0)
+    model = TinyModel()
+    params = freeze_backbone(model)
+    assert {id(p) for p in params} == {id(p) for p in model.routers.parameters()}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("routers.")}
+    lag = SparsityLagrangian(1, [0.7])
+    with torch.no_grad():
+        lag.lambda1.fill_(0.3)    # so that λ2's and the routers' gradients are not trivially zero
+    opt, sched = build_optimizer(params, lag, total_steps=10, weight_decay=0.1)
+    x = torch.randn(3, 10, 4)
+    loss, zs = model(x, hard_concrete_gate)
+    (loss + lag(omega_msr(zs), torch.zeros(3, dtype=torch.long))).backward()
+    for n, p in model.named_parameters():
+        if n.startswith("routers."):
+            assert p.grad is not None, f"router param {n} got no gradient"
+        else:
+            assert p.grad is None and not p.requires_grad, f"backbone param {n} is trainable"
+    assert any(p.grad.abs().max() > 0 for p in params), "all router gradients are zero"
+    assert lag.lambda1.grad is not None and lag.lambda2.grad is not None
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), f"backbone param {n} changed"
+    assert any(not torch.equal(a, b) for a, b in zip(before, params)), "router params did not move"
+    with pytest.raises(ValueError, match="routers"):
+        freeze_backbone(nn.Linear(2, 2))
+
+
+def test_routing_stats():
+    zs = [torch.tensor([[1.0, 0.0], [1.0, 1.0]]), torch.tensor([[0.0, 0.0], [0.0, 1.0]])]
+    las = [torch.tensor([[2.0, -1.0], [1.0, 3.0]]), torch.tensor([[-2.0, -1.0], [-1.0, 0.0]])]
+    lag = SparsityLagrangian(1, [0.7])
+    s = routing_stats(las, zs, lag)
+    assert s["full_frac"] == [0.75, 0.25], s
+    assert s["mean_log_alpha"] == [1.25, -1.0], s
+    assert s["omega_msr"] == 0.5 and s["lambda1/0"] == 0.0, s
+
+# -----------------------------------------------------------------------------
+# 5. With the real model (elastic_attention.py)
+
+
+def test_frozen_tiny_transformer_trains_only_routers(restore_rng):
+    ea = pytest.importorskip("elastic_attention")
+    torch.manual_seed(0)
+    cfg = ea.Config.preset("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                           sink=2, window=8, pool_tokens=4)
+    model = ea.Transformer(cfg)
+    model.attach_routers()
+    params = freeze_backbone(model)
+    lag = SparsityLagrangian(2, [router.SENSITIVE_TARGET, router.ROBUST_TARGET])
+    opt, _ = build_optimizer(params, lag, total_steps=10)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("routers.")}
+    idx = torch.randint(0, cfg.vocab_size, (2, 40))
+    logits, info = model(idx, route=hard_concrete_gate, lengths=torch.tensor([40, 30]))
+    lm = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), idx[:, 1:].reshape(-1))
+    omega = omega_msr(info["z"])
+    torch.testing.assert_close(omega, info["omega_msr"])
+    (lm + lag(omega, torch.tensor([0, 1]))).backward()
+    for n, p in model.named_parameters():
+        if n.startswith("routers."):
+            assert p.grad is not None, f"router param {n} got no gradient"
+        else:
+            assert p.grad is None, f"backbone param {n} got a gradient"
+    # every layer's router is reached: through its own gate, and (layer 0) through later layers too
+    for i, r in enumerate(model.routers):
+        g = r.router_mlp[-1].weight.grad.abs().max().item()
+        assert g > 0, f"router {i} last-layer grad is {g}"
+    opt.step()
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), f"backbone param {n} changed"
+    stats = routing_stats(info["log_alpha"], info["z"], lag)
+    assert len(stats["full_frac"]) == cfg.n_layers
