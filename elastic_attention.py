@@ -24,7 +24,7 @@ import glob
 import json
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -343,6 +343,27 @@ class Transformer(nn.Module):
             log_alpha=[r["log_alpha"] for r in records], block_mask=[r["block_mask"] for r in records],
             omega_msr=1.0 - z.float().mean((0, 2)), omega_esr=esr.mean(0), omega_esr_last=esr[-1])
 
+    @torch.no_grad()
+    def attention_rows(self, idx, positions):
+        """Backbone (all heads FULL) attention probabilities of one query per sample:
+        positions (B,) → (L, B, Hq, S). The retrieval score of a head (PAPER.md §8, App. C) is
+        their mass on the needle tokens."""
+        self.check_tokens(idx)
+        B, S = idx.shape
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        x = self.embed_tokens(idx)
+        rows = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            q, k, _, _ = attn.project(layer.input_layernorm(x), cos, sin)    # (B, Hq, S, D), (B, Hkv, S, D)
+            qp = q[torch.arange(B), :, positions]                              # (B, Hq, D)
+            k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)   # (B, Hq, S, D)
+            scores = torch.einsum("bhd,bhsd->bhs", qp.float(), k.float()) / math.sqrt(attn.head_dim)
+            visible = torch.arange(S, device=idx.device).view(1, 1, S) <= positions.view(B, 1, 1)
+            rows.append(torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1))  # (B, Hq, S)
+            x, _ = layer(x, cos, sin)
+        return torch.stack(rows)                                               # (L, B, Hq, S)
+
     # -------------------------------------------------------------------------
     # Generation: prefill decides every head's mode once; decoding reuses it (PAPER.md §7).
 
@@ -436,3 +457,33 @@ def from_pretrained_hf(directory, **config_overrides):
     for path in files:
         state.update(load_file(path))
     return load_hf_state_dict(Transformer(cfg), state)
+
+# -----------------------------------------------------------------------------
+# Checkpoints: the config travels with the weights, and loading into a different config fails loudly.
+
+def save_checkpoint(path, model, **extra):
+    """Atomic write (temp file + rename), so an interrupted save leaves the previous file intact."""
+    state = {k: v for k, v in model.state_dict().items()}
+    tmp = f"{path}.tmp"
+    torch.save(dict(config=asdict(model.cfg), model=state, **extra), tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, cfg=None, map_location="cpu"):
+    """(model, checkpoint dict). With cfg given, every field that shapes the weights must match."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    saved = Config(**ckpt["config"])
+    if cfg is not None:
+        shape_fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                        "tie_embeddings", "qk_norm", "router_hidden_mult")
+        diff = {f: (getattr(saved, f), getattr(cfg, f)) for f in shape_fields if getattr(saved, f) != getattr(cfg, f)}
+        if diff:
+            raise ValueError(f"checkpoint {path!r} was made with a different config (saved, wanted): {diff}")
+        saved = cfg
+    model = Transformer(saved)
+    if any(k.startswith("routers.") for k in ckpt["model"]):
+        model.attach_routers()
+    model.load_state_dict(ckpt["model"])
+    return model, ckpt

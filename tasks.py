@@ -337,3 +337,18 @@ def per_task_mean(values, task_ids):
     task_ids = task_ids.cpu()
     return {t.name: float(values[task_ids == t.task_id].mean()) for t in TASKS
             if (task_ids == t.task_id).any()}
+
+
+def retrieval_scores(rows, needle_pos, n_kv_heads):
+    """The retrieval score of every head (PAPER.md §8, App. C, after Wu et al. 2024): attention
+    mass from the query position onto the needle tokens, averaged over prompts.
+
+    rows (L, B, Hq, S): each head's attention probabilities at the query position (from
+    Transformer.attention_rows); needle_pos (B, N), -1 padded. Returns (L, Hkv): a KV head's
+    score is the mean over the query heads that share it, since they share its mode."""
+    L, B, Hq, S = rows.shape
+    on_needle = torch.zeros(B, S, dtype=rows.dtype, device=rows.device)
+    valid = needle_pos >= 0
+    on_needle.scatter_(1, needle_pos.clamp(min=0).to(rows.device), valid.to(rows.dtype).to(rows.device))
+    mass = (rows * on_needle.view(1, B, 1, S)).sum(-1)              # (L, B, Hq)
+    return mass.view(L, B, n_kv_heads, Hq // n_kv_heads).mean((1, 3))  # (L, Hkv)

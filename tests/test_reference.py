@@ -215,3 +215,22 @@ def test_bad_tensors_raise():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="devices differ"):
             K.hybrid_attention(q.cuda(), k, v, modes, 1, 2)
+
+
+@SETTINGS
+@given(S=lengths, G=st.sampled_from([1, 2, 4]), mode=st.sampled_from([FULL, STREAMING]),
+       sink=st.integers(0, 9), window=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_sdpa_fast_path_equals_reference_for_uniform_modes(S, G, mode, sink, window, seed):
+    q, k, v, _, _ = random_case(2, 2, G, S, 16, 16, seed)
+    q, k, v = q.float(), k.float(), v.float()
+    modes = torch.full((2, 2), mode)
+    fast = K.hybrid_attention(q, k, v, modes, sink, window, backend="sdpa")
+    ref = K.hybrid_attention(q.double(), k.double(), v.double(), modes, sink, window, backend="reference")
+    err = (fast.double() - ref).abs()
+    assert err.max() < 1e-5, f"max {err.max():.2e} mean {err.mean():.2e}"
+
+
+def test_sdpa_fast_path_rejects_mixed_modes():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="one FULL or STREAMING mode"):
+        K.hybrid_attention(q, k, v, torch.tensor([[0, 1]]), 1, 2, backend="sdpa")

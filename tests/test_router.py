@@ -238,7 +238,7 @@ def test_router_init_is_undecided_but_trainable(restore_rng):
     assert first is not None and first.abs().max() > 0, "no gradient reaches the router's first layer at init"
 
 
-def test_router_computes_in_float32_for_bf16_keys():
+def test_router_computes_in_float32_for_bf16_keys(restore_rng):
     torch.manual_seed(0)
     r = AttentionRouter(8, pool_tokens=3)
     k = torch.randn(2, 2, 10, 8).bfloat16()

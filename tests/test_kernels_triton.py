@@ -1,0 +1,255 @@
+"""The fused Triton kernel (issue 5) against the float64 naive reference.
+
+On a machine without CUDA the kernel runs under Triton's CPU interpreter (conftest.py sets
+TRITON_INTERPRET=1) in float32/float16 with small tiles; on a GPU the same tests run with the real
+tiles, plus bf16/fp16 cases at S up to 8K.
+
+Tolerance (flash-attention's rule): the kernel's max error against a float64 reference may be at
+most 2× the max error of torch's own attention (SDPA) run in the same dtype, plus a tiny absolute
+floor for float32, where both errors are round-off-sized.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kernels as K
+from kernels import BLOCK_SPARSE, FULL, STREAMING
+
+pytestmark = pytest.mark.skipif(not K._HAS_TRITON, reason="triton is not installed")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+# The interpreter is slow (~ms per tile op): few drawn cases on CPU, more on a GPU.
+SETTINGS = settings(max_examples=40 if CUDA else 30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+FLOOR = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4}
+
+
+def make_case(B, Hkv, G, S, D, dtype, seed, block_size=16, p_block=0.4, modes=None, device=DEVICE):
+    """Random q, k, v (B, Hkv·G, S, D) / (B, Hkv, S, D), random modes (B, Hkv) and block mask."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, S, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    if modes is None:
+        modes = torch.randint(0, 3, (B, Hkv), generator=g)
+    nB = K.num_blocks(S, block_size)
+    block_mask = torch.rand(B, Hkv, nB, nB, generator=g) < p_block
+    to = dict(device=device)
+    return (q.to(dtype=dtype, **to), k.to(dtype=dtype, **to), v.to(dtype=dtype, **to),
+            modes.to(**to), block_mask.to(**to))
+
+
+def sdpa_same_dtype(q, k, v, mask):
+    """torch's own attention in q's dtype: the error yardstick. Rows with no key → 0, as ours."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)       # (B, Hq, S, D)
+    m = mask.repeat_interleave(G, 1)                                  # (B, Hq, S, S)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    return out.masked_fill(~m.any(-1, keepdim=True), 0.0)
+
+
+def assert_close_to_reference(out, q, k, v, modes, sink, window, block_mask, block_size):
+    mask = K.hybrid_mask(q.shape[2], modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S)
+    ref = K.naive_attention(q.double(), k.double(), v.double(), mask)             # float64 truth
+    err = (out.double() - ref).abs()
+    torch_err = (sdpa_same_dtype(q, k, v, mask).double() - ref).abs().max().item()
+    bound = 2 * torch_err + FLOOR[q.dtype]
+    assert not out.isnan().any(), "NaN in the kernel's output"
+    assert err.max().item() <= bound, (
+        f"max diff {err.max().item():.3e} (mean {err.mean().item():.3e}) > bound {bound:.3e} "
+        f"(2 × torch {q.dtype} error {torch_err:.3e} + floor); S={q.shape[2]} D={q.shape[3]} "
+        f"modes={modes.tolist()} sink={sink} window={window} block_size={block_size}")
+
+
+DTYPES = [torch.float32, torch.float16]
+
+# ----------------------------------------------------------------------------------------------
+# Property test: drawn shapes, modes, sink/window edge values, block masks with empty rows.
+
+@st.composite
+def hybrid_cases(draw):
+    S = draw(st.one_of(st.sampled_from([1, 2, 15, 16, 17, 31, 33, 64, 97, 128, 200, 257, 300]),
+                       st.integers(1, 300)))
+    B = draw(st.sampled_from([1, 2]))
+    G = draw(st.sampled_from([1, 2, 4]))
+    Hkv = draw(st.sampled_from([1, 2])) if B * G <= 4 else 1     # ≤ 8 programs per tile row on CPU
+    D = draw(st.sampled_from([16, 32, 64]))
+    sink = draw(st.one_of(st.just(0), st.integers(1, 40), st.just(S), st.just(S + 7)))
+    window = draw(st.one_of(st.just(1), st.integers(2, 120), st.just(S), st.just(S + 5)))
+    block_size = draw(st.sampled_from([16, 32, 64]))
+    p_block = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))          # 0.0: every block row empty
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 2**16))
+    return B, Hkv, G, S, D, sink, window, block_size, p_block, dtype, seed
+
+
+@SETTINGS
+@given(case=hybrid_cases())
+def test_kernel_matches_reference_drawn(case):
+    B, Hkv, G, S, D, sink, window, block_size, p_block, dtype, seed = case
+    q, k, v, modes, bm = make_case(B, Hkv, G, S, D, dtype, seed, block_size, p_block)
+    out = K.fused_hybrid_attention(q, k, v, modes, sink, window, bm, block_size)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close_to_reference(out, q, k, v, modes, sink, window, bm, block_size)
+
+# ----------------------------------------------------------------------------------------------
+# Named edge cases.
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_mode_alone_and_mixed_across_samples(dtype):
+    """Sample 0 all FULL, sample 1 mixed: the mode is read per (sample, KV head)."""
+    modes = torch.tensor([[FULL, FULL], [STREAMING, BLOCK_SPARSE]])
+    q, k, v, modes, bm = make_case(2, 2, 2, 150, 32, dtype, seed=1, block_size=32, modes=modes)
+    out = K.fused_hybrid_attention(q, k, v, modes, 5, 37, bm, 32)
+    assert_close_to_reference(out, q, k, v, modes, 5, 37, bm, 32)
+
+
+def test_window_or_sink_covering_everything_is_full_attention():
+    q, k, v, _, _ = make_case(1, 2, 1, 77, 16, torch.float32, seed=2)
+    full = K.fused_hybrid_attention(q, k, v, torch.full((1, 2), FULL, device=DEVICE), 0, 1)
+    streaming = torch.full((1, 2), STREAMING, device=DEVICE)
+    for sink, window in [(0, 77), (0, 500), (77, 1), (200, 3)]:
+        out = K.fused_hybrid_attention(q, k, v, streaming, sink, window)
+        torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_block_rows_give_zeros_and_minus_inf_lse():
+    """A BLOCK_SPARSE row with no block on (not even its diagonal) sees no key: output 0, LSE -inf."""
+    S, bs = 70, 16
+    q, k, v, _, bm = make_case(1, 1, 2, S, 32, torch.float32, seed=3, block_size=bs, p_block=1.0)
+    bm[0, 0, 2] = False                                     # query block 2: rows 32…47 see nothing
+    modes = torch.full((1, 1), BLOCK_SPARSE, device=DEVICE)
+    out, lse = K.fused_hybrid_attention(q, k, v, modes, 0, 1, bm, bs, return_lse=True)
+    assert (out[:, :, 32:48] == 0).all() and torch.isneginf(lse[:, :, 32:48]).all()
+    assert_close_to_reference(out, q, k, v, modes, 0, 1, bm, bs)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+def test_block_sizes_larger_than_the_tiles(block_size):
+    """Tiles are mapped onto bigger mask blocks (several key tiles per listed block)."""
+    modes = torch.tensor([[BLOCK_SPARSE, STREAMING]])
+    q, k, v, modes, bm = make_case(1, 2, 2, 260, 16, torch.float32, seed=4, block_size=block_size,
+                                   p_block=0.5, modes=modes)
+    out = K.fused_hybrid_attention(q, k, v, modes, 3, 50, bm, block_size)
+    assert_close_to_reference(out, q, k, v, modes, 3, 50, bm, block_size)
+
+
+def test_log_sum_exp():
+    S, D = 90, 32
+    q, k, v, modes, bm = make_case(1, 2, 2, S, D, torch.float32, seed=5, block_size=16)
+    out, lse = K.fused_hybrid_attention(q, k, v, modes, 4, 20, bm, 16, return_lse=True)
+    mask = K.hybrid_mask(S, modes, 4, 20, bm, 16).repeat_interleave(2, 1)           # (B, Hq, S, S)
+    scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1) / math.sqrt(D)
+    ref = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)              # (B, Hq, S)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 4, S)
+    torch.testing.assert_close(lse.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_non_contiguous_inputs_and_padded_head_dim():
+    """(B, S, H, D) storage viewed as (B, H, S, D), and D = 24 (padded to 32 inside the kernel)."""
+    B, S, Hkv, G, D = 2, 45, 2, 2, 24
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(B, S, Hkv * G, D, generator=g).to(DEVICE).transpose(1, 2)   # (B, Hq, S, D) view
+    k = torch.randn(B, S, Hkv, D, generator=g).to(DEVICE).transpose(1, 2)       # (B, Hkv, S, D) view
+    v = torch.randn(B, S, Hkv, D, generator=g).to(DEVICE).transpose(1, 2)
+    modes = torch.tensor([[FULL, STREAMING], [STREAMING, FULL]], device=DEVICE)
+    assert not q.is_contiguous()
+    out = K.fused_hybrid_attention(q, k, v, modes, 2, 9)
+    assert_close_to_reference(out, q, k, v, modes, 2, 9, None, 64)
+
+
+def test_gqa_ratio_8():
+    q, k, v, modes, bm = make_case(1, 1, 8, 40, 16, torch.float32, seed=7)
+    out = K.fused_hybrid_attention(q, k, v, modes, 1, 6, bm, 16)
+    assert_close_to_reference(out, q, k, v, modes, 1, 6, bm, 16)
+
+
+def test_hybrid_attention_dispatches_to_the_kernel():
+    q, k, v, modes, bm = make_case(1, 2, 2, 33, 16, torch.float32, seed=8, block_size=16)
+    fused = K.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="triton")
+    reference = K.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="reference")
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_flops_cost_model():
+    S, D, G = 300, 64, 4
+    modes = torch.tensor([[FULL, STREAMING, BLOCK_SPARSE]])
+    bm = torch.rand(1, 3, K.num_blocks(S, 32), K.num_blocks(S, 32)) < 0.5
+    pairs = K.hybrid_mask(S, modes, 7, 50, bm, 32).sum().item()
+    assert K.attention_flops(S, modes, 7, 50, bm, 32, head_dim=D, group=G) == 4 * D * G * pairs
+    assert K.attention_flops(S, modes[:, :1], 0, 1, head_dim=D) == 4 * D * S * (S + 1) / 2
+
+
+def test_block_lists_are_compact_causal_and_ascending():
+    bm = torch.tensor([[[[1, 1, 0], [0, 1, 1], [1, 0, 1]]]], dtype=torch.bool)   # (1, 1, 3, 3)
+    idx, cnt = K.block_lists(bm)
+    assert cnt.tolist() == [[[1, 1, 2]]]               # row 1's block 2 lies above the diagonal
+    assert idx[0, 0, 0, :1].tolist() == [0] and idx[0, 0, 1, :1].tolist() == [1]
+    assert idx[0, 0, 2, :2].tolist() == [0, 2]
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: the real tiles, 16-bit dtypes, long sequences.
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S, D", [(1000, 64), (4096, 128), (8192, 128), (8192, 64)])
+def test_gpu_long_sequences(dtype, S, D):
+    modes = torch.tensor([[FULL, STREAMING, BLOCK_SPARSE, STREAMING]])
+    q, k, v, modes, bm = make_case(1, 4, 2, S, D, dtype, seed=S + D, block_size=128, p_block=0.2,
+                                   modes=modes)
+    out = K.fused_hybrid_attention(q, k, v, modes, 128, 1024, bm, 128)
+    assert_close_to_reference(out, q, k, v, modes, 128, 1024, bm, 128)
+
+
+@gpu
+@pytest.mark.parametrize("D, dtype, block_size", [(256, torch.bfloat16, 64), (80, torch.float16, 64),
+                                                 (128, torch.float32, 64), (64, torch.bfloat16, 16)])
+def test_gpu_other_head_dims_dtypes_and_block_sizes(D, dtype, block_size):
+    q, k, v, modes, bm = make_case(2, 2, 4, 777, D, dtype, seed=D, block_size=block_size, p_block=0.3)
+    out = K.fused_hybrid_attention(q, k, v, modes, 16, 200, bm, block_size)
+    assert_close_to_reference(out, q, k, v, modes, 16, 200, bm, block_size)
+
+# ----------------------------------------------------------------------------------------------
+# Bad input gets a ValueError that names the problem.
+
+def _ok(S=20, D=16):
+    q, k, v, modes, bm = make_case(1, 2, 2, S, D, torch.float32, seed=9, block_size=16)
+    return q, k, v, modes, bm
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q, k, v, m, bm: (q.half(), k, v, m, bm, 16), "dtypes differ"),
+    (lambda q, k, v, m, bm: (q.int(), k.int(), v.int(), m, bm, 16), "supports float16"),
+    (lambda q, k, v, m, bm: (q.double(), k.double(), v.double(), m, bm, 16), "supports float16"),
+    (lambda q, k, v, m, bm: (q, k.to("meta"), v, m, bm, 16), "devices differ"),
+    (lambda q, k, v, m, bm: (q[..., :8], k[..., :8], v[..., :8], m, bm, 16), "head dim"),
+    (lambda q, k, v, m, bm: (q, k, v, m + 3, bm, 16), "modes must be in"),
+    (lambda q, k, v, m, bm: (q, k, v, m.float(), bm, 16), "integer tensor"),
+    (lambda q, k, v, m, bm: (q, k, v, torch.full_like(m, BLOCK_SPARSE), bm[..., :1], 16), "block_mask"),
+    (lambda q, k, v, m, bm: (q, k, v, torch.full_like(m, BLOCK_SPARSE), None, 16), "block_mask is None"),
+    (lambda q, k, v, m, bm: (q, k, v, torch.full_like(m, BLOCK_SPARSE),
+                             torch.ones(1, 2, 3, 3, dtype=torch.bool, device=DEVICE), 8), "block_size >= 16"),
+])
+def test_bad_input(change, message):
+    q, k, v, modes, bm, bs = change(*_ok())
+    with pytest.raises(ValueError, match=message):
+        K.fused_hybrid_attention(q, k, v, modes, 2, 5, bm, bs)
+
+
+def test_bad_head_dim_too_large():
+    q, k, v, modes, bm = _ok(S=4, D=272)
+    with pytest.raises(ValueError, match="head dim"):
+        K.fused_hybrid_attention(q, k, v, modes, 2, 5, bm, 16)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's limitation")
+def test_bf16_rejected_by_the_interpreter():
+    q, k, v, modes, bm = _ok()
+    with pytest.raises(ValueError, match="bfloat16"):
+        K.fused_hybrid_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), modes, 2, 5, bm, 16)
