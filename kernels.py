@@ -485,7 +485,7 @@ if _HAS_TRITON:
             block_list = BlockIdx + b * stride_ib + h_kv * stride_ih + r * stride_ir
             cnt = tl.where(is_bs, tl.load(BlockCnt + b * stride_cb + h_kv * stride_ch + r), 0)
             last = tl.load(block_list + cnt - 1, mask=cnt > 0, other=-1)
-            has_diag = last >= 0                           # lists are ascending: the diagonal is last
+            has_diag = last == r                           # lists are ascending: the diagonal is last
             n_off = cnt - has_diag.to(tl.int32)
             diag_start = tl.where(has_diag, (r * MASK_BLOCK) // BLOCK_N, diag_lo)
             win_start = tl.where(is_bs, diag_start, win_start)
@@ -620,6 +620,7 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
         kv_block_idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=q.device)  # never read
         kv_block_cnt = kv_block_idx[..., 0]
     n_q_tiles = triton.cdiv(S, BLOCK_M)
+    sink, window = min(sink, S), min(window, S)    # beyond S they change nothing; keeps int32 math safe
     qk_scale = 1.4426950408889634 / math.sqrt(D)   # softmax scale 1/√D times 1/ln 2: we use exp2
 
     grid = (B * Hq * n_q_tiles,)
@@ -667,7 +668,6 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
 # so a few more blocks are kept. Max is not a strict per-head promise (a head with thinly spread mass
 # can end up with less than `threshold` of its own mass); the strict version, picking per query head
 # and OR-ing the G masks, sorts G times as many rows.
-import os
 
 
 def check_xattention_args(q, k, block_size, stride):
@@ -847,7 +847,7 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto"):
         raise ValueError("backend='triton' but triton is not installed")
     if q.dtype == torch.float64:
         raise ValueError("the Triton scoring kernel takes float16/bfloat16/float32, got float64")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
 
     G = Hq // Hkv
@@ -857,6 +857,9 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto"):
     BLOCK_N = max(64, g)   # key groups per inner step: >= 16 for tl.dot, and whole blocks
     out = torch.zeros(B, Hkv, nB, nB, device=q.device, dtype=torch.float32)  # tiles above the diagonal stay 0
     qk_scale = 1.44269504 / (math.sqrt(D) * stride)   # 1/(√D·T), times 1/ln 2 because we use exp2
+    # fp32 tiles are twice the bytes: pipelining their loads (Triton's default, 3 stages) would ask
+    # for more shared memory than an H100/H200 block has (227 KB) at G = 8. 16-bit tiles fit.
+    num_stages = 1 if q.dtype == torch.float32 else 3
     grid = (triton.cdiv(nB * g, BLOCK_M), B * Hkv)
     _xattn_scores_kernel[grid](
         q, k, out,
@@ -865,6 +868,7 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto"):
         qk_scale,
         T=stride, GROUPS_PER_BLOCK=g, G=G, G_PAD=triton.next_power_of_2(G),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        num_stages=num_stages,
     )
     return out
 

@@ -253,3 +253,31 @@ def test_model_bad_input_raises():
         tiny(head_config="FA-XYZ")
     with pytest.raises(ValueError, match="exceed max_seq_len"):
         model.generate(idx, 300)
+
+
+@pytest.mark.parametrize("head_config", ["FA-XA", "XA-SSA", "XA-XA"])
+def test_xattention_head_configs_run_and_threshold_one_is_dense(head_config):
+    """With τ = 1 XAttention keeps every causal block, so its heads are exactly FULL heads."""
+    import router as R
+    cfg = tiny(head_config=head_config, xa_threshold=1.0)
+    model, idx = model_and_tokens(cfg, 2, 37)
+    model.attach_routers().double()
+    backbone, _ = model(idx)
+    z = torch.ones(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.float64)
+    xa_side = z if head_config.startswith("XA") else z * 0  # the gate value that selects XAttention
+    out, info = model(idx, gates=xa_side)
+    torch.testing.assert_close(out, backbone, rtol=1e-12, atol=1e-12)
+    assert all(bm is not None and bm.shape == (2, cfg.n_kv_heads, 10, 10) for bm in info["block_mask"])
+    out, info = model(idx, route=R.hard_concrete_gate)  # training mix with XA on one side
+    assert torch.isfinite(out).all()
+    out, info = model(idx, route="eval")
+    assert torch.isfinite(out).all() and info["omega_esr"].shape == (2,)
+
+
+def test_fa_xa_is_sparser_than_dense_on_peaked_attention():
+    """At τ = 0.5 some blocks go, and Ω_ESR of an all-XA model is positive."""
+    cfg = tiny(head_config="FA-XA", xa_threshold=0.5, block_size=4, xa_stride=2)
+    model, idx = model_and_tokens(cfg, 2, 64)
+    modes = torch.full((cfg.n_layers, 2, cfg.n_kv_heads), K.BLOCK_SPARSE)
+    _, info = model(idx, modes=modes)
+    assert (info["omega_esr"] > 0).all() and (info["omega_esr"] < 1).all()

@@ -239,7 +239,7 @@ def test_tiny_threshold_keeps_only_sink_and_diagonal():
 
 def test_a_planted_block_is_found():
     """Content decides: keys of block 5 point the way every query points, so from block 6 on every
-    row keeps block 5 — even at threshold 0.5, where rows keep little else."""
+    row keeps block 5 and, at threshold 0.5, nothing else beyond the sink and the diagonal."""
     q, k = random_qk(1, 1, 1, 256, 16, seed=5)
     u = torch.zeros(16)
     u[0] = 1.0
