@@ -322,16 +322,19 @@ def block_lists(block_mask):
     kv_block_idx (B, Hkv, nB, max_blocks) int32 and kv_block_cnt (B, Hkv, nB) int32, so that query
     block r walks kv_block_idx[b, h, r, :kv_block_cnt[b, h, r]]. Only causal blocks (c <= r) are
     kept, in ascending order: the diagonal block, when on, is the last entry. Entries past the count
-    are padding and never read. Costs one sort over B·Hkv·nB² bools; never an S×S mask."""
+    are padding and never read. max_blocks = nB, so that no host sync is needed to size the lists
+    (4 bytes per block-mask entry; the mask itself is never S×S)."""
     nB = block_mask.shape[-1]
     below_diag = torch.ones(nB, nB, dtype=torch.bool, device=block_mask.device).tril()  # (nB, nB)
     on = block_mask & below_diag                                   # (B, Hkv, nB, nB)
     kv_block_cnt = on.sum(-1, dtype=torch.int32)                   # (B, Hkv, nB)
-    # A stable sort of "off" flags moves the switched-on blocks to the front, keeping their order.
-    order = torch.sort((~on).to(torch.int8), dim=-1, stable=True).indices  # (B, Hkv, nB, nB)
-    max_blocks = max(int(kv_block_cnt.max()), 1) if on.numel() else 1  # host sync: sizes the list
-    kv_block_idx = order[..., :max_blocks].to(torch.int32).contiguous()  # (B, Hkv, nB, max_blocks)
-    return kv_block_idx, kv_block_cnt
+    # Switched-on block c of a row goes to slot (number of switched-on blocks before it); the
+    # others are scattered into a spare column nB that is cut off afterwards.
+    slot = torch.where(on, on.cumsum(-1) - 1, nB)                   # (B, Hkv, nB, nB)
+    col = torch.arange(nB, dtype=torch.int32, device=block_mask.device).expand_as(slot)
+    kv_block_idx = torch.zeros(*on.shape[:-1], nB + 1, dtype=torch.int32, device=block_mask.device)
+    kv_block_idx.scatter_(-1, slot, col)
+    return kv_block_idx[..., :nB].contiguous(), kv_block_cnt      # (B, Hkv, nB, nB), (B, Hkv, nB)
 
 
 if _HAS_TRITON:
@@ -437,7 +440,7 @@ if _HAS_TRITON:
         # -- 1. program id -> (query tile, sample, KV head, query head) --------------------------------
         # Launch order, fastest-varying first: the G query heads of one KV head (they read the same
         # K/V tiles, which then come from L2), then the query tiles from the last (the most work
-        # under causality) to the first, then the (sample, KV head) slots, FULL heads first.
+        # under causality) to the first, then the (sample, KV head) slots in HeadOrder's order.
         pid = tl.program_id(0)
         g = pid % G
         tile = n_q_tiles - 1 - (pid // G) % n_q_tiles
@@ -522,7 +525,8 @@ if _HAS_TRITON:
         out = acc / l_safe[:, None]
         o_ptrs = Out + b.to(tl.int64) * stride_ob + h_q.to(tl.int64) * stride_oh \
             + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM))
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty),
+                 mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM))
         if RETURN_LSE:
             # log Σ_j exp(s_ij) = ln 2 · (m_i + log2 l_i): m_i and l_i live in the log2 domain.
             lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
@@ -533,7 +537,9 @@ def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Fixed choices, no autotuning (NOTES_kernels.md
     has the measurements behind them):
       - H200, D <= 128, 16-bit: 128×64 tiles, 8 warps (two warpgroups of 64 query rows each for
-        Hopper's wgmma), 3 stages of K/V prefetch (~96 KB of shared memory at D = 128).
+        Hopper's wgmma), 4 stages of K/V prefetch (~160 KB of shared memory at D = 128). On the
+        H200 at S = 32K this measured 472 TF/s all-FULL; 3 stages 462-476, 128×128 tiles (2 stages)
+        442, 64×64 (4 warps) 444: the differences between 64-wide configs are within run-to-run noise.
       - D > 128 or fp32: the accumulator (BLOCK_M × D fp32) and K/V tiles double, so halve the tiles.
       - Interpreter: small tiles so short test sequences still cross several tiles and every
         edge case (partial sink/window/diagonal tiles) is exercised.
@@ -542,7 +548,7 @@ def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
     if interpret:
         bm, bn, warps, stages = 32, 16, 4, 1
     elif D <= 128 and dtype != torch.float32:
-        bm, bn, warps, stages = 128, 64, 8, 3
+        bm, bn, warps, stages = 128, 64, 8, 4
     else:
         bm, bn, warps, stages = 64, 32, 4, 2
     if has_block_sparse:
@@ -552,7 +558,7 @@ def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
 
 
 def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, *,
-                           return_lse=False, heavy_first=True, config=None):
+                           return_lse=False, heavy_first=False, config=None):
     """Fused causal hybrid attention: one Triton launch, each (sample, KV head) in its own mode.
     q (B, Hq, S, D); k, v (B, Hkv, S, D); modes (B, Hkv) int; block_mask (B, Hkv, nB, nB) bool at
     block_size, needed when a head is BLOCK_SPARSE. Returns o (B, Hq, S, D) in q's dtype, and with
@@ -560,7 +566,10 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
     Same numbers as hybrid_attention_reference; forward only.
 
     Grid: one program per (sample, query head, BLOCK_M query rows): B·Hq·ceil(S/BLOCK_M) programs
-    in a 1-d launch ordered (FULL heads first) → KV head → query tile (last first) → G query heads.
+    in a 1-d launch ordered (sample, KV head) → query tile (last first) → the G query heads of the
+    KV head (adjacent, so the K/V tiles they share are read from L2). heavy_first=True puts FULL
+    heads first; on the H200 it made no difference beyond noise (7.12 vs 7.00 ms, S = 32K,
+    f = 0.75), so the default is plain index order.
     Tile walk of the program that owns rows m0 … m0+BLOCK_M-1 (key tiles of BLOCK_N):
         FULL          tiles 0 … m0-1 unmasked, then the diagonal band masked (causal).
         STREAMING     sink tiles (unmasked; the partial one masked), then the window tiles from
@@ -573,8 +582,10 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
     The kernel computes whole tiles, so it spends a little more: about BLOCK_M/2 extra keys per row
     on each masked edge (window start, partial sink tile, diagonal).
 
-    Keyword extras: return_lse; heavy_first=False launches heads in index order (for measuring
-    the scheduling effect); config=(BLOCK_M, BLOCK_N, num_warps, num_stages) overrides _tile_config.
+    Keyword extras: return_lse; heavy_first (above); config=(BLOCK_M, BLOCK_N, num_warps,
+    num_stages) overrides _tile_config. Passing a block_mask compiles the list walk in and sizes
+    the tiles for its block_size (BLOCK_M <= block_size), whatever the modes: pass None when no
+    head is BLOCK_SPARSE (this avoids a host sync to look at the modes).
     Non-contiguous q/k/v are fine (the kernel takes strides); the output is contiguous.
     """
     if not _HAS_TRITON:
@@ -593,9 +604,9 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
                          "(or TRITON_INTERPRET=1 set before importing triton, to run it on the CPU)")
     if interpret and q.dtype == torch.bfloat16:
         raise ValueError("the Triton CPU interpreter does not support bfloat16; use float16/float32")
-    has_bs = block_mask is not None and bool((modes == BLOCK_SPARSE).any())
+    has_bs = block_mask is not None  # compile the list walk in; no host sync to look at the modes
     if has_bs and block_size < 16:
-        raise ValueError(f"block_size={block_size}: BLOCK_SPARSE heads need block_size >= 16 in the "
+        raise ValueError(f"block_size={block_size}: a block_mask needs block_size >= 16 in the "
                          "Triton kernel (tiles follow the mask's blocks; tl.dot needs 16 rows)")
 
     o = torch.empty(B, Hq, S, D, dtype=q.dtype, device=q.device)     # (B, Hq, S, D) contiguous

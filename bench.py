@@ -1,0 +1,435 @@
+"""bench.py — the fused hybrid-attention kernel against torch's attention, on one GPU (issue 5).
+
+Causal prefill at Llama-3.1-8B attention shapes (bf16, B = 1, Hq = 32, Hkv = 8, D = 128), with a
+fraction f of the KV heads STREAMING (sink 128 + window 2048) and the rest FULL, plus one setting
+where every head is BLOCK_SPARSE at ~90 % block sparsity. Side by side, in one process:
+
+    ours    kernels.fused_hybrid_attention: one launch, each head walks only its own tiles
+    flex    torch.compile'd FlexAttention with one BlockMask holding every head's mode
+            (its mask_mod reads a per-head mode tensor; the BlockMask is built once, timed apart)
+    sdpa    torch SDPA, dense causal (what you run without Elastic Attention)
+    split   SDPA on the FULL heads + FlexAttention on the STREAMING heads, merged into one output
+            (the gather/scatter copies are part of its cost, as in the paper's §7 baseline)
+
+Reported per (S, f): median ms (triton.testing.do_bench), effective TFLOP/s (useful FLOPs from
+kernels.attention_flops over time), speedup over SDPA dense, the ideal speedup from FLOP counts,
+and each peer's max |difference| from our output. Writes bench.json and bench_speedup.png to --out,
+and prints a compact table last.
+
+    python bench.py                      # the full grid (several minutes on an H200)
+    python bench.py --quick              # S = 8K, 32K; f = 0, 0.5, 1
+    python bench.py --tune               # also time a few tile configs of our kernel at one S
+Without CUDA it runs a tiny smoke test on the CPU (Triton interpreter, eager Flex, wall clock).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # smoke-test mode: must be set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
+
+import kernels as K  # noqa: E402
+from kernels import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--seq-lens", type=str, default="8192,32768,65536,131072" if CUDA else "256")
+parser.add_argument("--fracs", type=str, default="0,0.25,0.5,0.75,1", help="fractions of STREAMING KV heads")
+parser.add_argument("--quick", action="store_true", help="S = 8K, 32K and f = 0, 0.5, 1 only")
+parser.add_argument("--heads", type=int, default=32 if CUDA else 4)       # Hq (Llama-3.1-8B: 32)
+parser.add_argument("--kv-heads", type=int, default=8 if CUDA else 2)     # Hkv (Llama-3.1-8B: 8)
+parser.add_argument("--head-dim", type=int, default=128 if CUDA else 32)  # D
+parser.add_argument("--sink", type=int, default=128 if CUDA else 16)      # paper: 128 tokens
+parser.add_argument("--window", type=int, default=2048 if CUDA else 64)   # paper: 2048 tokens
+parser.add_argument("--block-size", type=int, default=128 if CUDA else 32,
+                    help="block-sparse setting's mask block (128 = FlexAttention's block too)")
+parser.add_argument("--block-sparsity", type=float, default=0.9, help="fraction of causal blocks off")
+parser.add_argument("--no-block-sparse", action="store_true")
+parser.add_argument("--no-flex", action="store_true")
+parser.add_argument("--no-split", action="store_true")
+parser.add_argument("--tune", action="store_true", help="time tile configs / launch order of our kernel")
+parser.add_argument("--tune-seq-len", type=int, default=32768 if CUDA else 256)
+parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--out", type=str, default="runs/bench")
+parser.add_argument("--replot", type=str, default=None, help="redraw PNG and table from a bench.json, run nothing")
+args = parser.parse_args()
+if args.quick:
+    args.seq_lens, args.fracs = ("8192,32768" if CUDA else "256"), "0,0.5,1"
+seq_lens = [int(s) for s in args.seq_lens.split(",")]
+fracs = [float(f) for f in args.fracs.split(",")]
+B, Hq, Hkv, D = 1, args.heads, args.kv_heads, args.head_dim
+G = Hq // Hkv
+dtype = torch.bfloat16 if CUDA else torch.float16   # the interpreter has no bf16
+device = "cuda" if CUDA else "cpu"
+FLEX_BLOCK = 128 if CUDA else 32                    # FlexAttention's (default) sparse block
+os.makedirs(args.out, exist_ok=True)
+
+# ----------------------------------------------------------------------------------------------
+# Timing, peers and their masks
+
+if CUDA:
+    import triton.testing
+
+    def bench_ms(fn):
+        return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+
+    # Many (shape, mask) combinations: let dynamo keep every compiled Flex variant.
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    flex = torch.compile(flex_attention, dynamic=False)
+else:
+    def bench_ms(fn, n=3):  # smoke test only: wall clock, median of n
+        fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    flex = flex_attention  # eager (unfused) on the CPU
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def sdpa_gqa(q, k, v):
+    """Causal SDPA with Hkv < Hq. Uses enable_gqa on the fast backends when this torch allows it,
+    else repeats the KV heads (inside the call: that copy is part of the cost)."""
+    if SDPA_GQA:
+        with torch.nn.attention.sdpa_kernel(FAST_SDPA):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                          is_causal=True)
+
+
+SDPBackend = torch.nn.attention.SDPBackend
+FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+try:  # probe once on a small case
+    _q = torch.randn(1, 4, 256, D, device=device, dtype=dtype)
+    _k = torch.randn(1, 2, 256, D, device=device, dtype=dtype)
+    with torch.nn.attention.sdpa_kernel(FAST_SDPA):
+        F.scaled_dot_product_attention(_q, _k, _k, is_causal=True, enable_gqa=True)
+    SDPA_GQA = True
+except Exception:  # noqa: BLE001 (old torch, or no fast backend takes GQA)
+    SDPA_GQA = False
+
+
+def hybrid_mask_mod(modes_q, block_mask_q, sink, window, block_size):
+    """FlexAttention mask_mod over query heads: the same predicate as kernels.hybrid_mask, with
+    the mode read per (sample, query head) from a tensor. Flex evaluates it only on partial blocks."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        mode = modes_q[b, h]
+        causal = kv_idx <= q_idx
+        stream = (kv_idx < sink) | (q_idx - kv_idx < window)
+        blocks = block_mask_q[b, h, q_idx // block_size, kv_idx // block_size]
+        return causal & ((mode == FULL) | ((mode == STREAMING) & stream) | ((mode == BLOCK_SPARSE) & blocks))
+    return mask_mod
+
+
+def flex_block_mask(S, modes, sink, window, block_mask=None, block_size=128, rows_per_chunk=2048):
+    """One FlexAttention BlockMask for per-head modes, built exactly and without an S×S mask per
+    query head: kernels.hybrid_mask is evaluated per KV head on chunks of query rows and reduced
+    to 'some pair visible' / 'every pair visible' per FLEX_BLOCK² block (the same result as
+    create_block_mask, whose uncompiled form would materialise B·Hq·S² bools at S = 128K)."""
+    Bm, Hk = modes.shape
+    nb = S // FLEX_BLOCK
+    partial = torch.zeros(Bm, Hk, nb, nb, dtype=torch.bool, device=device)
+    full = torch.zeros_like(partial)
+    for r0 in range(0, S, rows_per_chunk):
+        rows = torch.arange(r0, min(S, r0 + rows_per_chunk), device=device)
+        m = K.hybrid_mask(S, modes, sink, window, block_mask, block_size, q_idx=rows)   # (B, Hkv, rows, S)
+        m = m.view(Bm, Hk, len(rows) // FLEX_BLOCK, FLEX_BLOCK, nb, FLEX_BLOCK)
+        anyv, allv = m.any(5).any(3), m.all(5).all(3)                                 # (B, Hkv, rows/blk, nb)
+        partial[:, :, r0 // FLEX_BLOCK: r0 // FLEX_BLOCK + anyv.shape[2]] = anyv & ~allv
+        full[:, :, r0 // FLEX_BLOCK: r0 // FLEX_BLOCK + anyv.shape[2]] = allv
+
+    def to_indices(bm):  # (B, Hkv, nb, nb) bool → counts and ascending indices, expanded to Hq
+        bm = bm.repeat_interleave(G, 1)                                               # (B, Hq, nb, nb)
+        cnt = bm.sum(-1, dtype=torch.int32)
+        idx = torch.sort((~bm).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return cnt, idx
+
+    if block_mask is None:  # all-off stand-in of the real shape, so one mask_mod serves every setting
+        n = K.num_blocks(S, block_size)
+        block_mask = torch.zeros(Bm, Hk, n, n, dtype=torch.bool, device=device)
+    bm_q = block_mask.repeat_interleave(G, 1).contiguous()                            # (B, Hq, nB, nB)
+    modes_q = modes.repeat_interleave(G, 1).to(torch.int32).contiguous()              # (B, Hq)
+    mask_mod = hybrid_mask_mod(modes_q, bm_q, sink, window, block_size)
+    # Forward only: skip the transposed (per key block) index that only the backward pass reads.
+    has_flag = "compute_q_blocks" in BlockMask.from_kv_blocks.__code__.co_varnames
+    extra = {"compute_q_blocks": False} if has_flag else {}
+    return BlockMask.from_kv_blocks(*to_indices(partial), *to_indices(full), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=mask_mod, **extra)
+
+
+def modes_for(frac, perm):
+    """(1, Hkv) modes with round(frac·Hkv) STREAMING heads, picked by a fixed random permutation
+    (nested as f grows), the rest FULL."""
+    modes = torch.full((B, Hkv), FULL, dtype=torch.int32)
+    modes[0, perm[:round(frac * Hkv)]] = STREAMING
+    return modes.to(device)
+
+
+def random_block_mask(S, block_size, sparsity, gen):
+    """(1, Hkv, nB, nB) bool, XAttention-like: the sink column and the diagonal always on, other
+    causal blocks on at random so that about (1 - sparsity) of the causal blocks are on."""
+    nb = K.num_blocks(S, block_size)
+    causal_blocks = nb * (nb + 1) / 2
+    forced = 2 * nb - 1
+    p = max(0.0, ((1 - sparsity) * causal_blocks - forced) / max(1.0, causal_blocks - forced))
+    bm = torch.rand(B, Hkv, nb, nb, generator=gen) < p
+    idx = torch.arange(nb)
+    bm[..., idx, idx] = True
+    bm[..., :, 0] = True
+    return (bm & torch.ones(nb, nb, dtype=torch.bool).tril()).to(device)
+
+
+def max_diff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+def timed_build(fn):
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def run_peer(name, fn, ref, record):
+    """Time one peer, check it against our output; a failing peer is recorded, not fatal."""
+    try:
+        _, first_ms = timed_build(fn)                 # first call: includes any compilation
+        out = fn()
+        record[f"{name}_first_call_ms"] = first_ms
+        record[f"{name}_diff"] = max_diff(out, ref) if ref is not None else None
+        del out
+        record[f"{name}_ms"] = bench_ms(fn)
+    except Exception as e:  # noqa: BLE001
+        record[f"{name}_ms"] = None
+        record[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"  {name} failed: {record[f'{name}_error']}")
+
+# ----------------------------------------------------------------------------------------------
+# Tile-config sweep of our kernel (--tune): one S, all-FULL and f = 0.75
+
+
+def tune(S, perm):
+    gen = torch.Generator().manual_seed(args.seed)
+    q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
+    configs = [None, (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)] \
+        if CUDA else [None, (32, 32, 4, 1)]
+    rows = []
+    for frac in (0.0, 0.75):
+        modes = modes_for(frac, perm)
+        flops = K.attention_flops(S, modes, args.sink, args.window, head_dim=D, group=G)
+        ref = K.fused_hybrid_attention(q, k, v, modes, args.sink, args.window)
+        for cfg in configs:
+            for heavy_first in ((True, False) if cfg is None else (True,)):
+                rec = dict(S=S, frac=frac, config=cfg, heavy_first=heavy_first)
+                try:
+                    fn = lambda: K.fused_hybrid_attention(q, k, v, modes, args.sink, args.window,  # noqa: E731
+                                                          config=cfg, heavy_first=heavy_first)
+                    rec["diff"] = max_diff(fn(), ref)
+                    rec["ms"] = bench_ms(fn)
+                    rec["tflops"] = flops / rec["ms"] / 1e9
+                except Exception as e:  # noqa: BLE001 (a config that does not fit is reported)
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(rec)
+                print(f"  tune S={S} f={frac} config={cfg} heavy_first={heavy_first}: "
+                      + (f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s diff {rec['diff']:.1e}" if "ms" in rec
+                         else rec["error"]))
+    return rows
+
+# ----------------------------------------------------------------------------------------------
+# The grid
+
+
+def main():
+    gen = torch.Generator().manual_seed(args.seed)
+    perm = torch.randperm(Hkv, generator=gen)
+    env = dict(torch=torch.__version__, triton=__import__("triton").__version__,
+               device=torch.cuda.get_device_name() if CUDA else "cpu (interpreter smoke test)",
+               sdpa_enable_gqa=SDPA_GQA)
+    print(env)
+    results = dict(env=env, args=vars(args), runs=[], tune=[], ours_config=None, ours_heavy_first=True)
+    if args.tune:  # the grid below then runs the fastest all-FULL config and the faster launch order
+        results["tune"] = tune(args.tune_seq_len, perm)
+        ok = [r for r in results["tune"] if "ms" in r]
+        full = [r for r in ok if r["frac"] == 0.0 and r["heavy_first"]]
+        if full:
+            results["ours_config"] = min(full, key=lambda r: r["ms"])["config"]
+        order = {r["heavy_first"]: r["ms"] for r in ok if r["frac"] == 0.75 and r["config"] is None}
+        if len(order) == 2:
+            results["ours_heavy_first"] = order[True] <= order[False]
+        print(f"grid runs config={results['ours_config']} heavy_first={results['ours_heavy_first']}")
+    cfg, heavy_first = results["ours_config"], results["ours_heavy_first"]
+
+    for S in seq_lens:
+        q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)    # (B, Hq, S, D)
+        k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)   # (B, Hkv, S, D)
+        v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
+        all_full = torch.full((B, Hkv), FULL, dtype=torch.int32, device=device)
+        flops_full = K.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
+        o_sdpa = sdpa_gqa(q, k, v)
+        sdpa_ms = bench_ms(lambda: sdpa_gqa(q, k, v))
+        ours_full_ms = None
+
+        settings = [("hybrid", f) for f in fracs]
+        if not args.no_block_sparse:
+            settings.append(("block_sparse", None))
+        for kind, frac in settings:
+            if kind == "hybrid":
+                modes, bm, bs = modes_for(frac, perm), None, args.block_size
+            else:
+                modes = torch.full((B, Hkv), BLOCK_SPARSE, dtype=torch.int32, device=device)
+                bs = args.block_size
+                bm = random_block_mask(S, bs, args.block_sparsity, gen)
+            flops = K.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
+            rec = dict(S=S, kind=kind, frac=frac, flops=flops, ideal_speedup=flops_full / flops,
+                       omega_esr=float(K.omega_esr_closed_form(S, modes, args.sink, args.window, bm, bs)[0]),
+                       sdpa_ms=sdpa_ms)
+
+            ours = lambda: K.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs,  # noqa: E731
+                                                    config=cfg, heavy_first=heavy_first)
+            o_ours = ours()
+            rec["ours_ms"] = bench_ms(ours)
+            if kind == "hybrid" and frac == 0:
+                ours_full_ms = rec["ours_ms"]
+                rec["sdpa_diff"] = max_diff(o_sdpa, o_ours)
+
+            if not args.no_flex:
+                try:
+                    block_mask, rec["flex_build_ms"] = timed_build(
+                        lambda: flex_block_mask(S, modes, args.sink, args.window, bm, bs))
+                    run_peer("flex", lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True), o_ours, rec)
+                    del block_mask
+                except Exception as e:  # noqa: BLE001
+                    rec["flex_ms"], rec["flex_error"] = None, f"{type(e).__name__}: {str(e)[:300]}"
+                    print(f"  flex failed: {rec['flex_error']}")
+
+            if kind == "hybrid" and not args.no_split:
+                kv_f = (modes[0] == FULL).nonzero().flatten()                        # FULL KV heads
+                kv_s = (modes[0] == STREAMING).nonzero().flatten()
+                q_f = (kv_f[:, None] * G + torch.arange(G, device=device)).flatten()  # their query heads
+                q_s = (kv_s[:, None] * G + torch.arange(G, device=device)).flatten()
+                stream_mask = None
+                if len(kv_s) and not args.no_flex:
+                    stream_modes = torch.full((B, len(kv_s)), STREAMING, dtype=torch.int32, device=device)
+                    stream_mask, rec["split_build_ms"] = timed_build(
+                        lambda: flex_block_mask(S, stream_modes, args.sink, args.window))
+
+                def split():
+                    out = torch.empty_like(q)                                        # (B, Hq, S, D)
+                    if len(kv_f):
+                        out[:, q_f] = sdpa_gqa(q[:, q_f], k[:, kv_f], v[:, kv_f])
+                    if len(kv_s):
+                        out[:, q_s] = flex(q[:, q_s], k[:, kv_s], v[:, kv_s], block_mask=stream_mask,
+                                           enable_gqa=True)
+                    return out
+                if len(kv_s) == 0 or stream_mask is not None:
+                    run_peer("split", split, o_ours, rec)
+                del stream_mask
+
+            for peer in ("ours", "flex", "split"):
+                ms = rec.get(f"{peer}_ms")
+                if ms:
+                    rec[f"{peer}_tflops"] = flops / ms / 1e9
+                    rec[f"{peer}_speedup_vs_sdpa"] = sdpa_ms / ms
+            rec["ours_vs_flex"] = rec["flex_ms"] / rec["ours_ms"] if rec.get("flex_ms") else None
+            rec["ours_vs_split"] = rec["split_ms"] / rec["ours_ms"] if rec.get("split_ms") else None
+            if ours_full_ms:
+                rec["ours_speedup_vs_own_full"] = ours_full_ms / rec["ours_ms"]
+                rec["fraction_of_ideal"] = rec["ours_speedup_vs_own_full"] / rec["ideal_speedup"]
+            results["runs"].append(rec)
+            print(f"S={S} {kind} f={frac}: ours {rec['ours_ms']:.3f} ms, flex {rec.get('flex_ms')}, "
+                  f"split {rec.get('split_ms')}, sdpa {sdpa_ms:.3f}", flush=True)
+            del o_ours
+        del q, k, v, o_sdpa
+        if CUDA:
+            torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "bench.json"), "w") as f:  # after every S: partial runs survive
+            json.dump(results, f, indent=1)
+
+    plot(results["runs"])
+    print_table(results["runs"])
+
+# ----------------------------------------------------------------------------------------------
+# Output: PNG and the compact table
+
+
+def plot(runs):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG")
+        return
+    hybrid = [r for r in runs if r["kind"] == "hybrid"]
+    Ss = sorted({r["S"] for r in hybrid})
+    fig, axes = plt.subplots(1, len(Ss), figsize=(3.2 * len(Ss), 3.0), squeeze=False, sharey=True)
+    for ax, S in zip(axes[0], Ss):
+        rs = sorted((r for r in hybrid if r["S"] == S), key=lambda r: r["frac"])
+        fs = [r["frac"] for r in rs]
+        for key, label, style in (("ours", "ours (fused)", "o-"), ("flex", "Flex hybrid", "s-"),
+                                  ("split", "split SDPA+Flex", "^-")):
+            ys = [r.get(f"{key}_speedup_vs_sdpa") for r in rs]
+            if any(y is not None for y in ys):
+                ax.plot(fs, [y if y is not None else math.nan for y in ys], style, label=label, ms=4)
+        ax.plot(fs, [r["ideal_speedup"] for r in rs], "k--", label="ideal (FLOPs at SDPA's rate)", lw=1)
+        ax.set_yscale("log")
+        ax.set_title(f"S = {S // 1024}K" if S >= 1024 else f"S = {S}")
+        ax.set_xlabel("fraction of STREAMING heads")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("speedup over SDPA dense")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "bench_speedup.png"), dpi=110)
+
+
+def print_table(runs):
+    def fmt(x, spec, suffix=""):
+        return "-" if x is None else format(x, spec) + suffix
+    print("\n      S  setting  ours ms  TF/s  flex ms  split ms  sdpa ms  vs flex  vs split  vs sdpa  "
+          "ideal  of ideal  diff flex/split")
+    for r in runs:
+        setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+        print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:>7.2f}  {fmt(r.get('ours_tflops'), '4.0f')}  "
+              f"{fmt(r.get('flex_ms'), '7.2f')}  {fmt(r.get('split_ms'), '8.2f')}  {r['sdpa_ms']:>7.2f}  "
+              f"{fmt(r.get('ours_vs_flex'), '6.2f', 'x'):>7}  {fmt(r.get('ours_vs_split'), '7.2f', 'x'):>8}  "
+              f"{fmt(r.get('ours_speedup_vs_sdpa'), '6.2f', 'x'):>7}  {r['ideal_speedup']:4.2f}x  "
+              f"{fmt(r.get('fraction_of_ideal'), '7.0%'):>8}  "
+              f"{fmt(r.get('flex_diff'), '.1e')}/{fmt(r.get('split_diff'), '.1e')}")
+
+
+if __name__ == "__main__":
+    if args.replot:
+        with open(args.replot) as f:
+            runs = json.load(f)["runs"]
+        plot(runs)
+        print_table(runs)
+    else:
+        main()
