@@ -66,6 +66,10 @@ parser.add_argument("--rep", type=int, default=100, help="do_bench repetition ti
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--out", type=str, default="runs/bench")
 parser.add_argument("--replot", type=str, default=None, help="redraw PNG and table from a bench.json, run nothing")
+parser.add_argument("--xa", action="store_true", help="also time FA-XA: XAttention selection + attention (issue 6)")
+parser.add_argument("--xa-only", action="store_true", help="only the FA-XA section")
+parser.add_argument("--xa-stride", type=int, default=16 if CUDA else 4, help="XAttention stride (paper 16)")
+parser.add_argument("--xa-threshold", type=float, default=0.9, help="XAttention kept mass (paper 0.9)")
 args = parser.parse_args()
 if args.quick:
     args.seq_lens, args.fracs = ("8192,32768" if CUDA else "256"), "0,0.5,1"
@@ -287,6 +291,11 @@ def main():
         print(f"grid runs config={results['ours_config']} heavy_first={results['ours_heavy_first']}")
     cfg, heavy_first = results["ours_config"], results["ours_heavy_first"]
 
+    if args.xa_only:
+        results["xa"] = xa_section(perm, gen, {})
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        return
     for S in seq_lens:
         q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)    # (B, Hq, S, D)
         k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)   # (B, Hkv, S, D)
@@ -373,8 +382,73 @@ def main():
         with open(os.path.join(args.out, "bench.json"), "w") as f:  # after every S: partial runs survive
             json.dump(results, f, indent=1)
 
+    if args.xa:
+        sdpa_by_S = {r["S"]: r["sdpa_ms"] for r in results["runs"]}
+        results["xa"] = xa_section(perm, gen, sdpa_by_S)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(results, f, indent=1)
     plot(results["runs"])
     print_table(results["runs"])
+
+# ----------------------------------------------------------------------------------------------
+# FA-XA (issue 6): XAttention picks each sparse head's key blocks from the input, then the fused
+# kernel runs FULL heads dense and XA heads block-sparse. Random q/k give flat attention, where
+# XAttention keeps ~95 % of blocks; real long-context heads are peaked. So q/k here carry a local
+# component (a RoPE-like wave: q_i·k_j peaks at i = j) plus one "retrieval" direction that a few
+# key blocks match, over noise: attention is local with a few distant hot spots, as in practice.
+
+def structured_qkv(S, gen):
+    pos = torch.arange(S).view(S, 1).float()
+    freqs = 1.0 / (64.0 * 4.0 ** torch.arange(D // 8).float())               # slow waves: ~64+ tokens
+    wave = torch.cat([(pos * freqs).cos(), (pos * freqs).sin()], 1)          # (S, D/4)
+    q = 0.5 * torch.randn(B, Hq, S, D, generator=gen)
+    k = 0.5 * torch.randn(B, Hkv, S, D, generator=gen)
+    q[..., :D // 4] += 3.0 * wave
+    k[..., :D // 4] += 3.0 * wave
+    hot = torch.randperm(S // args.block_size, generator=gen)[:4]             # 4 "needle" key blocks
+    for blk in hot.tolist():
+        k[:, :, blk * args.block_size:(blk + 1) * args.block_size, D // 4] += 6.0
+    q[..., D // 4] += 1.0
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    return (t.to(device, dtype) for t in (q, k, v))
+
+
+def xa_section(perm, gen, sdpa_by_S):
+    rows = []
+    bs, stride, thr = args.block_size, args.xa_stride, args.xa_threshold
+    for S in seq_lens:
+        q, k, v = structured_qkv(S, gen)
+        sdpa_ms = sdpa_by_S.get(S) or bench_ms(lambda: sdpa_gqa(q, k, v))
+        scores = K.xattention_scores(q, k, bs, stride)                          # (B, Hkv, nB, nB)
+        score_ms = bench_ms(lambda: K.xattention_scores(q, k, bs, stride))
+        pick_ms = bench_ms(lambda: K.xattention_select(scores, thr))
+        bm = K.xattention_select(scores, thr)                                    # (B, Hkv, nB, nB)
+        nB = bm.shape[-1]
+        causal_blocks = nB * (nB + 1) / 2
+        all_full = torch.full((B, Hkv), FULL, dtype=torch.int32, device=device)
+        full_ms = bench_ms(lambda: K.fused_hybrid_attention(q, k, v, all_full, args.sink, args.window))
+        flops_full = K.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
+        for frac in fracs:
+            if frac == 0:
+                continue
+            modes = modes_for(frac, perm)
+            modes = torch.where(modes == STREAMING, BLOCK_SPARSE, modes).to(torch.int32)  # FA-XA
+            attn_ms = bench_ms(lambda: K.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs))
+            flops = K.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
+            xa_heads = modes[0] == BLOCK_SPARSE
+            density = float(bm[0, xa_heads].sum()) / (int(xa_heads.sum()) * causal_blocks)
+            ideal = flops_full / flops
+            rec = dict(S=S, frac=frac, score_ms=score_ms, pick_ms=pick_ms, attn_ms=attn_ms, full_ms=full_ms,
+                       sdpa_ms=sdpa_ms, xa_block_density=density, ideal_speedup=ideal,
+                       fraction_of_ideal=(full_ms / attn_ms) / ideal,
+                       selection_over_sdpa=(score_ms + pick_ms) / sdpa_ms,
+                       end_to_end_speedup_vs_sdpa=sdpa_ms / (score_ms + pick_ms + attn_ms))
+            rows.append(rec)
+            print(f"FA-XA S={S} f={frac}: score {score_ms:.3f} + pick {pick_ms:.3f} ms "
+                  f"({100 * rec['selection_over_sdpa']:.1f} % of SDPA {sdpa_ms:.3f}), attention {attn_ms:.3f} ms, "
+                  f"density {density:.3f}, {100 * rec['fraction_of_ideal']:.0f} % of ideal {ideal:.2f}x", flush=True)
+        del q, k, v, scores, bm
+    return rows
 
 # ----------------------------------------------------------------------------------------------
 # Output: PNG and the compact table

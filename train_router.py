@@ -182,12 +182,15 @@ if args.resume:
     print(f"resumed from {args.resume} at step {start_step}")
 
 
-def save_router(step):
-    path = os.path.join(out_dir, "router.pt")
+router_path = os.path.join(out_dir, "router.pt")
+
+
+def save_router():
+    """Routers, λ, optimizer and schedule after len(train_log) finished steps."""
     torch.save(dict(config=E.asdict(cfg), routers=model.routers.state_dict(), lagrangian=lagrangian.state_dict(),
-                    optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), step=step,
-                    log=train_log), path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: Ctrl-C mid-save keeps the previous checkpoint
+                    optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), step=len(train_log),
+                    log=train_log), router_path + ".tmp")
+    os.replace(router_path + ".tmp", router_path)  # atomic: Ctrl-C mid-save keeps the previous checkpoint
 
 
 def gate(log_alpha, step):
@@ -197,7 +200,6 @@ def gate(log_alpha, step):
 
 
 print("step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | lr | ms")
-step = start_step
 try:
     for step in range(start_step, P["steps"]):
         t0 = time.time()
@@ -225,10 +227,11 @@ try:
                        f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f} | "
                        f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['lr']:.1e} | {row['ms']:.0f}")
         if step % 50 == 49:
-            save_router(step + 1)
-    step = P["steps"]
-finally:
-    save_router(step)  # also on Ctrl-C: the last finished step is loadable with --resume
+            save_router()
+except KeyboardInterrupt:
+    save_router()
+    raise SystemExit(f"\ninterrupted after {len(train_log)} steps; continue with --resume {router_path}")
+save_router()
 
 # -----------------------------------------------------------------------------
 # 3. Evaluate on held-out samples, per task.
