@@ -218,7 +218,7 @@ def masked_attention(q, k, v, mask, scale=None):
     """naive_attention without the checks, for Sq query rows against Sk keys: q (B, Hq, Sq, D),
     k/v (B, Hkv, Sk, D), mask (B, Hkv, Sq, Sk). Decoding with a KV cache uses it with Sq = 1."""
     B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32

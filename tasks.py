@@ -64,6 +64,14 @@ def default_margin(window):
     return max(4, window // 8)
 
 
+def relay_margin(n_layers, window):
+    """The margin that puts sensitive evidence at least n_layers·window tokens before its answers.
+    One streaming layer sees `window` tokens back, but a stack of L of them can pass information
+    back by up to L·(window − 1) tokens, token to token; beyond that no all-streaming model can
+    reach the evidence, so the task truly needs a FULL head somewhere."""
+    return (n_layers - 1) * window
+
+
 def first_free(sink):
     """First position a streaming head cannot see from far away: after the prefix and the sink."""
     return max(PREFIX_LEN, sink)

@@ -74,7 +74,7 @@ def test_all_full_modes_equal_backbone_and_window_ge_S_streaming_too():
 def test_training_mix_endpoints_and_gradient_wrt_z():
     cfg = tiny()
     model, idx = model_and_tokens(cfg, 2, 25)
-    L, B, H = cfg.n_layers, 2, cfg.n_kv_heads
+    B, H = 2, cfg.n_kv_heads
     modes = random_modes(cfg, B, 3)
     z_hard = (modes == FULL).double()
     hybrid, _ = model(idx, modes=modes)
