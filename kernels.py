@@ -33,21 +33,8 @@ def causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-def streaming(sink, window):
-    """Token-exact StreamingLLM: key j is visible to query i iff j <= i and (j < sink or i - j < window)."""
-    def predicate(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & ((kv_idx < sink) | (q_idx - kv_idx < window))
-    return predicate
-
-
-def block_sparse(block_mask, block_size):
-    """Causal inside the key blocks that block_mask[b, h, q_block, kv_block] switches on."""
-    def predicate(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & block_mask[b, h, q_idx // block_size, kv_idx // block_size]
-    return predicate
-
-
 def and_masks(*predicates):
+    """A pair is visible iff every predicate allows it."""
     def predicate(b, h, q_idx, kv_idx):
         out = True
         for p in predicates:
@@ -57,12 +44,31 @@ def and_masks(*predicates):
 
 
 def or_masks(*predicates):
+    """A pair is visible iff any predicate allows it."""
     def predicate(b, h, q_idx, kv_idx):
         out = False
         for p in predicates:
             out = out | p(b, h, q_idx, kv_idx)
         return out
     return predicate
+
+
+def streaming(sink, window):
+    """Token-exact StreamingLLM: key j is visible to query i iff j <= i and (j < sink or i - j < window)."""
+    def in_sink(b, h, q_idx, kv_idx):
+        return kv_idx < sink
+
+    def in_window(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < window
+    return and_masks(causal, or_masks(in_sink, in_window))
+
+
+def block_sparse(block_mask, block_size):
+    """Causal inside the key blocks that block_mask[b, h, q_block, kv_block] switches on."""
+    def block_on(b, h, q_idx, kv_idx):
+        return block_mask[b, h, q_idx // block_size, kv_idx // block_size]
+    return and_masks(causal, block_on)
+
 
 # -----------------------------------------------------------------------------
 # Checks shared by every public entry point: bad input gets an error naming the bad value.
@@ -252,17 +258,19 @@ def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=6
     check_block_mask(block_mask, modes, S, block_size)
     if backend not in ("auto", "reference", "triton", "sdpa"):
         raise ValueError(f"backend must be 'auto', 'reference', 'triton' or 'sdpa', got {backend!r}")
-    uniform = modes.numel() > 0 and bool((modes == modes.flatten()[0]).all()) and int(modes.flatten()[0]) != BLOCK_SPARSE
+    def uniform():  # one FULL or STREAMING mode for every head (a host sync, so asked only when needed)
+        first = int(modes.flatten()[0]) if modes.numel() else BLOCK_SPARSE
+        return first != BLOCK_SPARSE and bool((modes == first).all())
     if backend == "auto":
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if q.is_cuda and not needs_grad and _HAS_TRITON:
             backend = "triton"
         else:
-            backend = "sdpa" if uniform and q.dtype != torch.float64 else "reference"
+            backend = "sdpa" if q.dtype != torch.float64 and uniform() else "reference"
     if backend == "triton":
         return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
     if backend == "sdpa":
-        if not uniform:
+        if not uniform():
             raise ValueError(f"backend 'sdpa' needs one FULL or STREAMING mode for all heads, got {modes.unique().tolist()}")
         return uniform_attention_sdpa(q, k, v, int(modes.flatten()[0]), sink, window)
     mask = hybrid_mask(S, modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S), per KV head

@@ -234,3 +234,13 @@ def test_sdpa_fast_path_rejects_mixed_modes():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="one FULL or STREAMING mode"):
         K.hybrid_attention(q, k, v, torch.tensor([[0, 1]]), 1, 2, backend="sdpa")
+
+
+def test_predicates_compose_with_and_or():
+    """The combinators at scalar level: streaming = causal ∧ (sink ∨ window)."""
+    pred = K.streaming(sink=2, window=3)
+    assert pred(0, 0, 10, 1) and pred(0, 0, 10, 8) and pred(0, 0, 10, 10)   # sink, window, self
+    assert not pred(0, 0, 10, 5) and not pred(0, 0, 10, 11)                  # middle, future
+    never = K.and_masks(K.causal, lambda b, h, q, kv: False)
+    always = K.or_masks(K.causal, lambda b, h, q, kv: True)
+    assert not never(0, 0, 5, 0) and always(0, 0, 0, 5)
