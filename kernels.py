@@ -248,8 +248,8 @@ def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=6
 
     backend: "reference" (naive_attention on hybrid_mask, differentiable), "triton" (the fused
     kernel below; forward only), "sdpa" (torch's fused attention, differentiable; only when every
-    head has the same FULL or STREAMING mode, so one (S, S) mask serves all heads — the training
-    mix computes O_full and O_sparse exactly this way), "auto" = triton on CUDA when no gradient
+    head has the same mode — the training mix computes O_full and O_sparse exactly this way — and,
+    for BLOCK_SPARSE, every diagonal block is on), "auto" = triton on CUDA when no gradient
     is needed, else sdpa where it applies, else reference.
     """
     B, Hq, Hkv, S, D = check_qkv(q, k, v)
@@ -258,9 +258,11 @@ def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=6
     check_block_mask(block_mask, modes, S, block_size)
     if backend not in ("auto", "reference", "triton", "sdpa"):
         raise ValueError(f"backend must be 'auto', 'reference', 'triton' or 'sdpa', got {backend!r}")
-    def uniform():  # one FULL or STREAMING mode for every head (a host sync, so asked only when needed)
-        first = int(modes.flatten()[0]) if modes.numel() else BLOCK_SPARSE
-        return first != BLOCK_SPARSE and bool((modes == first).all())
+    def uniform():  # one mode for every head (host syncs, so asked only when needed)
+        if not modes.numel() or not bool((modes == modes.flatten()[0]).all()):
+            return False
+        # BLOCK_SPARSE rows see themselves iff every diagonal block is on (XAttention always keeps it)
+        return int(modes.flatten()[0]) != BLOCK_SPARSE or bool(block_mask.diagonal(dim1=-2, dim2=-1).all())
     if backend == "auto":
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if q.is_cuda and not needs_grad and _HAS_TRITON:
@@ -271,22 +273,33 @@ def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=6
         return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
     if backend == "sdpa":
         if not uniform():
-            raise ValueError(f"backend 'sdpa' needs one FULL or STREAMING mode for all heads, got {modes.unique().tolist()}")
-        return uniform_attention_sdpa(q, k, v, int(modes.flatten()[0]), sink, window)
+            raise ValueError(f"backend 'sdpa' needs one mode for all heads (BLOCK_SPARSE: with every diagonal "
+                             f"block on), got modes {modes.unique().tolist()}")
+        return uniform_attention_sdpa(q, k, v, int(modes.flatten()[0]), sink, window, block_mask, block_size)
     mask = hybrid_mask(S, modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S), per KV head
     return naive_attention(q, k, v, mask)
 
 
-def uniform_attention_sdpa(q, k, v, mode, sink, window):
-    """Every head in one mode (FULL or STREAMING): torch's scaled_dot_product_attention with one
-    (S, S) mask shared by all heads (is_causal for FULL, so the flash kernel applies). Every row
-    sees at least itself, so SDPA's NaN for empty rows cannot arise."""
-    S = q.shape[2]
-    gqa = q.shape[1] != k.shape[1]
+def uniform_attention_sdpa(q, k, v, mode, sink, window, block_mask=None, block_size=64):
+    """Every head in one mode: torch's scaled_dot_product_attention. FULL uses is_causal (so the
+    flash kernel applies) and STREAMING one (S, S) mask shared by all heads; BLOCK_SPARSE needs a
+    mask per head, (B, Hq, S, S) bool, i.e. S² bytes per query head (2 GB for 16 × 8 heads at 4K).
+    Every row must see at least itself (hybrid_attention checks it for BLOCK_SPARSE), since SDPA
+    returns NaN for a row that sees nothing."""
+    B, Hq, S, _ = q.shape
+    gqa = Hq != k.shape[1]
     if mode == FULL:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    idx = torch.arange(S, device=q.device)
-    mask = streaming(sink, window)(None, None, idx.view(S, 1), idx.view(1, S))  # (S, S)
+    if mode == STREAMING:
+        idx = torch.arange(S, device=q.device)
+        mask = streaming(sink, window)(None, None, idx.view(S, 1), idx.view(1, S))  # (S, S)
+    else:
+        # hybrid_mask's gather-based predicate would make int64 index tensors of this size (8 GB for
+        # 16 × 4 heads at 4K); blowing the blocks up to tokens makes the same mask with bools only.
+        tok = block_mask.repeat_interleave(block_size, -2)[..., :S, :].repeat_interleave(block_size, -1)
+        idx = torch.arange(S, device=q.device)
+        mask = tok[..., :S] & (idx.view(S, 1) >= idx.view(1, S))                   # (B, Hkv, S, S)
+        mask = mask.repeat_interleave(Hq // k.shape[1], dim=1)                     # (B, Hq, S, S)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -664,7 +677,8 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
 # XAttention (Xu et al. 2025; PAPER.md §3 XA) decides, per input, which key blocks a BLOCK_SPARSE
 # head attends to. Two steps, so a benchmark can time them apart:
 #   1. scoring  cheap estimate of the softmax mass in every (query block, key block) tile:
-#               xattention_scores_naive (dense twin) and xattention_scores (Triton, no S×S matrix)
+#               xattention_scores_naive (dense twin) and xattention_scores (Triton: no S×S matrix,
+#               the antidiagonal products once, a float32 scratch of S/T × S/block per query head)
 #   2. picking  per query-block row keep the sink and the diagonal block, then the best other blocks
 #               until the kept mass reaches `threshold` of the row: xattention_select (torch)
 # xattention_block_mask runs both; its output is the `block_mask` of hybrid_mask/hybrid_attention.
@@ -784,14 +798,15 @@ if _HAS_TRITON:
 
     @triton.jit
     def _xattn_scores_kernel(
-        q, k, out,
+        q, k, out, blk_lse,
         S, D, Hkv, nB,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_ob, stride_oh, stride_om, stride_on,
+        stride_xb, stride_xh, stride_xg, stride_xn,
         qk_scale,
         T: tl.constexpr, GROUPS_PER_BLOCK: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, READ_N: tl.constexpr,
     ):
         # ---- 1. program ids → query groups, KV head -------------------------------------------
         # A program scores BLOCK_M query groups (BLOCK_M // g query blocks) of one (b, KV head) for
@@ -799,7 +814,7 @@ if _HAS_TRITON:
         # as the rows of one tile. Row r is query head r // BLOCK_M, query group start_m + r % BLOCK_M.
         ROWS: tl.constexpr = G_PAD * BLOCK_M
         QB: tl.constexpr = BLOCK_M // GROUPS_PER_BLOCK                # query blocks per program
-        KB: tl.constexpr = BLOCK_N // GROUPS_PER_BLOCK                # key blocks per inner step
+        KB: tl.constexpr = BLOCK_N // GROUPS_PER_BLOCK                # key blocks per score tile
         start_m = tl.program_id(0) * BLOCK_M
         b = (tl.program_id(1) // Hkv).to(tl.int64)                    # int64: b·stride_qb can pass 2³¹
         h = (tl.program_id(1) % Hkv).to(tl.int64)
@@ -811,10 +826,17 @@ if _HAS_TRITON:
         # ---- 2. pointers ---------------------------------------------------------------------
         q_rows = q + b * stride_qb + (h * G + head) * stride_qh      # (ROWS,) one query head per row
         k_base = k + b * stride_kb + h * stride_kh
+        x_rows = (blk_lse + b * stride_xb + (h * G + head) * stride_xh    # (ROWS,) this program's
+                  + q_group.to(tl.int64) * stride_xg)                  # scratch rows, nG·nB > 2³¹ ok
         o_base = out + b * stride_ob + h * stride_oh
         hi = tl.minimum(start_m + BLOCK_M, nB * GROUPS_PER_BLOCK)    # causal: later key groups unseen
+        n_kb = hi // GROUPS_PER_BLOCK                                 # key blocks seen (hi is whole blocks)
 
-        # ---- 3. pass 1: running max m_i and normaliser l_i of each row's softmax over key groups
+        # ---- 3. the one matmul pass: each row's log-sum-exp per key block → scratch ----------------
+        # blk_lse[row, n] = log2 Σ 2^s over the g key groups of key block n (log2 domain, like s), and
+        # the row's softmax normaliser online over the blocks, as flash attention does over keys:
+        # m_i a running max, l_i the sum of 2^(blk_lse - m_i). Block n's softmax mass is then
+        # 2^(blk_lse[row, n] - row_lse[row]), which step 4 reads back once row_lse is known.
         m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((ROWS,), dtype=tl.float32)
         for start_n in range(0, hi, BLOCK_N):
@@ -823,41 +845,65 @@ if _HAS_TRITON:
                                          stride_qs, stride_qd, stride_ks, stride_kd,
                                          T, ROWS, BLOCK_N, BLOCK_D) * qk_scale
             s = tl.where(k_group[None, :] <= q_group[:, None], s, float("-inf"))  # (ROWS, BLOCK_N)
-            m_new = tl.maximum(m_i, tl.max(s, 1))   # finite from the first step on: group 0 is visible
-            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            s = tl.reshape(s, (ROWS, KB, GROUPS_PER_BLOCK))           # the g key groups of each block
+            # A block wholly in the row's future is all -inf. Shift it by 0, not by its max, so no
+            # (-inf) - (-inf) = NaN; its sum is then 0, and its log-sum-exp -inf without a log2(0).
+            blk_max = tl.max(s, 2)                                    # (ROWS, KB)
+            seen = blk_max > float("-inf")
+            blk_max = tl.where(seen, blk_max, 0.0)
+            blk_sum = tl.sum(tl.exp2(s - blk_max[:, :, None]), 2)     # (ROWS, KB), >= 1 where seen
+            lse = tl.where(seen, blk_max + tl.log2(tl.where(seen, blk_sum, 1.0)), float("-inf"))
+            kb = start_n // GROUPS_PER_BLOCK + tl.arange(0, KB)       # (KB,) key blocks of this tile
+            tl.store(x_rows[:, None] + kb[None, :] * stride_xn, lse,
+                     mask=row_ok[:, None] & (kb < n_kb)[None, :])
+            m_new = tl.maximum(m_i, tl.max(lse, 1))   # finite from the first step on: group 0 is visible
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(lse - m_new[:, None]), 1)
             m_i = m_new
+        row_lse = m_i + tl.log2(l_i)                                  # (ROWS,) log2 Σ_j 2^s[row, j]
 
-        # ---- 4. pass 2: same scores again → probabilities → block sums → max over heads → store
-        # Recomputing costs as much as pass 1 but keeps memory at one tile; storing the group scores
-        # instead would write and reread (S/T)² floats per query head.
-        inv_l = 1.0 / l_i
+        # ---- 4. read the scratch back: probabilities → block sums → max over heads → store ------
+        # No matmul here. In this program rather than a second kernel: row_lse stays in registers
+        # (no second buffer, no second launch) and the rows it just wrote are likely still in L2.
+        # It reads only entries it wrote itself, but another of its threads may have written them:
+        # the barrier makes every store above visible to all of the program's threads.
+        tl.debug_barrier()
         out_m = start_m // GROUPS_PER_BLOCK + tl.arange(0, QB)       # (QB,) query block rows
-        for start_n in range(0, hi, BLOCK_N):
-            k_group = start_n + tl.arange(0, BLOCK_N)
-            s = _xattn_antidiagonal_tile(q_rows, k_base, q_group, k_group, row_ok, S, D,
-                                         stride_qs, stride_qd, stride_ks, stride_kd,
-                                         T, ROWS, BLOCK_N, BLOCK_D) * qk_scale
-            s = tl.where(k_group[None, :] <= q_group[:, None], s, float("-inf"))
-            p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]             # (ROWS, BLOCK_N), masked → 0
-            p = tl.where(row_ok[:, None], p, 0.0)
-            # sum the g key groups of each key block, then the g query groups of each query block
-            p = tl.sum(tl.reshape(p, (ROWS, KB, GROUPS_PER_BLOCK)), 2)                 # (ROWS, KB)
-            p = tl.sum(tl.reshape(p, (G_PAD, QB, GROUPS_PER_BLOCK, KB)), 2)            # (G_PAD, QB, KB)
-            blk = tl.max(p, 0)                    # (QB, KB) max over the query heads; pad rows are 0
-            out_n = start_n // GROUPS_PER_BLOCK + tl.arange(0, KB)                     # (KB,)
-            tl.store(o_base + out_m[:, None] * stride_om + out_n[None, :] * stride_on, blk,
-                     mask=(out_m < nB)[:, None] & (out_n < nB)[None, :])
+        for start_b in range(0, n_kb, READ_N):
+            kb = start_b + tl.arange(0, READ_N)                       # (READ_N,) key blocks
+            lse = tl.load(x_rows[:, None] + kb[None, :] * stride_xn,
+                          mask=row_ok[:, None] & (kb < n_kb)[None, :], other=float("-inf"))
+            p = tl.exp2(lse - row_lse[:, None])       # (ROWS, READ_N); rows that count nothing → 0
+            # sum the g query groups of each query block, then max over the query heads
+            p = tl.sum(tl.reshape(p, (G_PAD, QB, GROUPS_PER_BLOCK, READ_N)), 2)      # (G_PAD, QB, READ_N)
+            blk = tl.max(p, 0)                        # (QB, READ_N); pad rows are 0, scores >= 0
+            tl.store(o_base + out_m[:, None] * stride_om + kb[None, :] * stride_on, blk,
+                     mask=(out_m < nB)[:, None] & (kb < n_kb)[None, :])
 
 
-def xattention_scores(q, k, block_size, stride=16, backend="auto"):
+def xattention_scores(q, k, block_size, stride=16, backend="auto", *, BLOCK_N=None, num_warps=8):
     """Same contract as xattention_scores_naive (float32 (B, Hkv, nB, nB)), by the Triton kernel:
-    no S×S and no (S/T)² matrix, one tile per program in memory, the antidiagonal products twice.
+    no S×S and no (S/T)² matrix, the antidiagonal products computed once. In their place a float32
+    scratch of one log-sum-exp per (query group, key block): (B, Hq, S/T, S/block), allocated here
+    and only half used (causal). That is 32 MiB per query head at S = 128K, T = 16, block 128, so
+    1 GiB for 32 query heads; its causal half is written once and read back once right after by
+    the program that wrote it (mostly from L2), against the matmul work it saves (half of it).
 
     backend: "auto" = Triton on CUDA (not float64), else the naive twin; "reference"; "triton" (on
     CPU only under TRITON_INTERPRET=1, set before triton is imported; fp16/fp32 there, no bf16).
+    BLOCK_N (key groups per score tile, default max(128, g); a power of two, >= 16 and >= g) and
+    num_warps are exposed for timing; they change no result beyond summation order.
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
     check_xattention_backend(backend)
+    g = block_size // stride            # a power of two: stride divides the power-of-two block_size
+    if BLOCK_N is None:
+        # key groups per score tile: >= 16 for tl.dot, and whole blocks. Measured on an H200 at 128K
+        # (Hq 32, D 128, block 128, stride 16, bf16): BLOCK_N 64 / 4 warps 21.6 ms, 128 / 4 warps
+        # 18.3 ms, 128 / 8 warps 15.3 ms (the default): wider tiles reuse each Q load more.
+        BLOCK_N = max(128, g)
+    if isinstance(BLOCK_N, bool) or not isinstance(BLOCK_N, int) or BLOCK_N < max(16, g) \
+            or BLOCK_N & (BLOCK_N - 1):
+        raise ValueError(f"BLOCK_N must be a power of two >= max(16, g={g}), got {BLOCK_N!r}")
     if backend == "auto":
         backend = "triton" if q.is_cuda and _HAS_TRITON and q.dtype != torch.float64 else "reference"
     if backend == "reference":
@@ -871,23 +917,24 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto"):
 
     G = Hq // Hkv
     nB = num_blocks(S, block_size)
-    g = block_size // stride
+    nG = nB * g
     BLOCK_M = max(16, g)   # query groups per program: tl.dot wants >= 16 rows, and whole blocks
-    BLOCK_N = max(64, g)   # key groups per inner step: >= 16 for tl.dot, and whole blocks
     out = torch.zeros(B, Hkv, nB, nB, device=q.device, dtype=torch.float32)  # tiles above the diagonal stay 0
+    blk_lse = torch.empty(B, Hq, nG, nB, device=q.device, dtype=torch.float32)  # scratch, see above
     qk_scale = 1.44269504 / (math.sqrt(D) * stride)   # 1/(√D·T), times 1/ln 2 because we use exp2
     # fp32 tiles are twice the bytes: pipelining their loads (Triton's default, 3 stages) would ask
     # for more shared memory than an H100/H200 block has (227 KB) at G = 8. 16-bit tiles fit.
     num_stages = 1 if q.dtype == torch.float32 else 3
-    grid = (triton.cdiv(nB * g, BLOCK_M), B * Hkv)
+    grid = (triton.cdiv(nG, BLOCK_M), B * Hkv)
     _xattn_scores_kernel[grid](
-        q, k, out,
+        q, k, out, blk_lse,
         S, D, Hkv, nB,
-        *q.stride(), *k.stride(), *out.stride(),
+        *q.stride(), *k.stride(), *out.stride(), *blk_lse.stride(),
         qk_scale,
         T=stride, GROUPS_PER_BLOCK=g, G=G, G_PAD=triton.next_power_of_2(G),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        num_stages=num_stages,
+        READ_N=BLOCK_N,   # key blocks per read-back step: a tile as large as the score tile
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -230,10 +230,34 @@ def test_sdpa_fast_path_equals_reference_for_uniform_modes(S, G, mode, sink, win
     assert err.max() < 1e-5, f"max {err.max():.2e} mean {err.mean():.2e}"
 
 
-def test_sdpa_fast_path_rejects_mixed_modes():
+@SETTINGS
+@given(S=lengths, G=st.sampled_from([1, 2, 4]), bs=st.sampled_from([1, 4, 16]), p=st.floats(0.0, 1.0),
+       seed=st.integers(0, 2**16))
+def test_sdpa_fast_path_equals_reference_for_block_sparse(S, G, bs, p, seed):
+    """All heads BLOCK_SPARSE with a random block mask whose diagonal is on (as XAttention's is)."""
+    q, k, v, _, _ = random_case(2, 2, G, S, 16, 16, seed)
+    q, k, v = q.float(), k.float(), v.float()
+    nB = K.num_blocks(S, bs)
+    gen = torch.Generator().manual_seed(seed)
+    block_mask = (torch.rand(2, 2, nB, nB, generator=gen) < p) | torch.eye(nB, dtype=torch.bool)
+    modes = torch.full((2, 2), BLOCK_SPARSE)
+    fast = K.hybrid_attention(q, k, v, modes, 1, 2, block_mask, bs, backend="sdpa")
+    ref = K.hybrid_attention(q.double(), k.double(), v.double(), modes, 1, 2, block_mask, bs, backend="reference")
+    err = (fast.double() - ref).abs()
+    assert err.max() < 1e-5, f"max {err.max():.2e} mean {err.mean():.2e}"
+
+
+def test_sdpa_fast_path_rejects_mixed_modes_and_empty_block_rows():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="one FULL or STREAMING mode"):
+    with pytest.raises(ValueError, match="one mode for all heads"):
         K.hybrid_attention(q, k, v, torch.tensor([[0, 1]]), 1, 2, backend="sdpa")
+    S = q.shape[2]
+    nB = K.num_blocks(S, 4)
+    block_mask = torch.ones(1, k.shape[1], nB, nB, dtype=torch.bool)
+    block_mask[0, 0, 1, 1] = False  # rejected, conservatively: rows 4-7 would still see block 0
+    modes = torch.full((1, k.shape[1]), BLOCK_SPARSE)
+    with pytest.raises(ValueError, match="diagonal"):
+        K.hybrid_attention(q, k, v, modes, 1, 2, block_mask, 4, backend="sdpa")
 
 
 def test_predicates_compose_with_and_or():

@@ -146,6 +146,31 @@ def test_triton_scores_match_naive_drawn(B, Hkv, G, S, D, block_stride, seed):
     assert_close(got, want, what="drawn", **triton_tol(torch.float32, TRITON_DEVICE))
 
 
+@needs_triton
+@pytest.mark.parametrize("BLOCK_N", [16, 32])
+def test_triton_scores_narrow_tiles(BLOCK_N):
+    """Narrow tiles: each program walks several score tiles (BLOCK_N key groups) and reads its
+    scratch back in several steps (BLOCK_N key blocks each; 38 blocks here), G = 3."""
+    q, k = random_qk(1, 1, 3, 300, 16, seed=7, device=TRITON_DEVICE)
+    got = K.xattention_scores(q, k, 8, 4, backend="triton", BLOCK_N=BLOCK_N)
+    want = K.xattention_scores_naive(q, k, 8, 4)
+    assert_close(got, want, what=f"BLOCK_N={BLOCK_N}", **triton_tol(torch.float32, TRITON_DEVICE))
+
+
+@needs_triton
+def test_triton_scores_sharp_logits():
+    """Logits in the hundreds (log2 units): blocks far below the row's best, whole key blocks in a
+    row's future (all -inf) next to seen ones, a running max that jumps. No overflow, no NaN."""
+    q, k = random_qk(1, 2, 2, 200, 16, seed=8, device=TRITON_DEVICE)
+    # fp16 inputs: exact products on a GPU and in the interpreter alike. fp32 inputs would go through
+    # TF32 on a GPU, whose 10-bit mantissa (not the kernel) is the error at logits in the hundreds.
+    q, k = (q * 300).half(), k.half()
+    got = K.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_N=16)
+    want = K.xattention_scores_naive(q, k, 16, 4)
+    assert torch.isfinite(got).all()
+    assert_close(got, want, what="sharp", atol=1e-4, rtol=1e-4)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("B,Hkv,G,S,D,block_size,stride", [
@@ -324,6 +349,9 @@ def test_bad_input_scores_and_select():
         K.xattention_scores_naive(q, k, 16, 5)
     with pytest.raises(ValueError, match="float64"):
         K.xattention_scores(q.double(), k.double(), 16, 4, backend="triton")
+    for bad in (8, 48, 16.0):   # tl.dot needs >= 16; a power of two; an int
+        with pytest.raises(ValueError, match="BLOCK_N"):
+            K.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_N=bad)
     with pytest.raises(ValueError, match="block_scores"):
         K.xattention_select(torch.rand(1, 1, 3, 4), 0.9)
     with pytest.raises(ValueError, match="threshold"):
