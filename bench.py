@@ -295,6 +295,7 @@ def main():
         results["xa"] = xa_section(perm, gen, {})
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump(results, f, indent=1)
+        print_xa_table(results["xa"])
         return
     for S in seq_lens:
         q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)    # (B, Hq, S, D)
@@ -389,6 +390,8 @@ def main():
             json.dump(results, f, indent=1)
     plot(results["runs"])
     print_table(results["runs"])
+    if args.xa:
+        print_xa_table(results["xa"])
 
 # ----------------------------------------------------------------------------------------------
 # FA-XA (issue 6): XAttention picks each sparse head's key blocks from the input, then the fused
@@ -431,21 +434,26 @@ def xa_section(perm, gen, sdpa_by_S):
         for frac in fracs:
             if frac == 0:
                 continue
-            modes = modes_for(frac, perm)
-            modes = torch.where(modes == STREAMING, BLOCK_SPARSE, modes).to(torch.int32)  # FA-XA
+            ssa_modes = modes_for(frac, perm)                                     # FA-SSA, same heads
+            ssa_ms = bench_ms(lambda: K.fused_hybrid_attention(q, k, v, ssa_modes, args.sink, args.window))
+            modes = torch.where(ssa_modes == STREAMING, BLOCK_SPARSE, ssa_modes).to(torch.int32)  # FA-XA
+            xassa = torch.where(ssa_modes == FULL, BLOCK_SPARSE, ssa_modes).to(torch.int32)  # XA-SSA
+            xassa_ms = bench_ms(lambda: K.fused_hybrid_attention(q, k, v, xassa, args.sink, args.window, bm, bs))
             attn_ms = bench_ms(lambda: K.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs))
             flops = K.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
             xa_heads = modes[0] == BLOCK_SPARSE
             density = float(bm[0, xa_heads].sum()) / (int(xa_heads.sum()) * causal_blocks)
             ideal = flops_full / flops
             rec = dict(S=S, frac=frac, score_ms=score_ms, pick_ms=pick_ms, attn_ms=attn_ms, full_ms=full_ms,
+                       ssa_ms=ssa_ms, xassa_ms=xassa_ms,
                        sdpa_ms=sdpa_ms, xa_block_density=density, ideal_speedup=ideal,
                        fraction_of_ideal=(full_ms / attn_ms) / ideal,
                        selection_over_sdpa=(score_ms + pick_ms) / sdpa_ms,
                        end_to_end_speedup_vs_sdpa=sdpa_ms / (score_ms + pick_ms + attn_ms))
             rows.append(rec)
             print(f"FA-XA S={S} f={frac}: score {score_ms:.3f} + pick {pick_ms:.3f} ms "
-                  f"({100 * rec['selection_over_sdpa']:.1f} % of SDPA {sdpa_ms:.3f}), attention {attn_ms:.3f} ms, "
+                  f"({100 * rec['selection_over_sdpa']:.1f} % of SDPA {sdpa_ms:.3f}), attention {attn_ms:.3f} ms "
+                  f"(FA-SSA {ssa_ms:.3f}, XA-SSA {xassa_ms:.3f}, all-FULL {full_ms:.3f}), "
                   f"density {density:.3f}, {100 * rec['fraction_of_ideal']:.0f} % of ideal {ideal:.2f}x", flush=True)
         del q, k, v, scores, bm
     return rows
@@ -482,6 +490,15 @@ def plot(runs):
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "bench_speedup.png"), dpi=110)
+
+
+def print_xa_table(rows):
+    print("\n      S     f  score ms  pick ms  select/SDPA  FA-XA ms  FA-SSA ms  XA-SSA ms  all-FULL ms  SDPA ms  "
+          "density  of ideal")
+    for r in rows:
+        print(f"{r['S']:>7}  {r['frac']:4.2f}  {r['score_ms']:8.2f}  {r['pick_ms']:7.2f}  {r['selection_over_sdpa']:11.1%}  "
+              f"{r['attn_ms']:8.2f}  {r['ssa_ms']:9.2f}  {r['xassa_ms']:9.2f}  {r['full_ms']:11.2f}  {r['sdpa_ms']:7.2f}  "
+              f"{r['xa_block_density']:7.3f}  {r['fraction_of_ideal']:8.0%}")
 
 
 def print_table(runs):
