@@ -22,6 +22,7 @@ from dataclasses import asdict
 import math
 import os
 import platform
+import signal
 import time
 
 import torch
@@ -219,38 +220,51 @@ def gate(log_alpha, step):
     return R.gumbel_softmax_gate(log_alpha, R.tau_cosine(step / P["steps"]))
 
 
+# Ctrl-C during router training finishes the current step, saves and exits. A flag rather than the
+# KeyboardInterrupt exception: the exception can land between optimizer.step() and the log (a
+# checkpoint one update ahead of its step count), or inside a finalizer, where Python drops it.
+interrupted = []
+
+
+def on_ctrl_c(signum, frame):
+    if interrupted:  # a second Ctrl-C stops at once
+        raise KeyboardInterrupt
+    interrupted.append(True)
+
+
+signal.signal(signal.SIGINT, on_ctrl_c)
 print("step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | lr | ms")
-try:
-    for step in range(start_step, P["steps"]):
-        t0 = time.time()
-        b = batch("train", step)
-        logits, info = model(b["tokens"], route=lambda la: gate(la, step))
-        lm = answer_loss(logits, b["targets"])
-        reg = lagrangian(info["omega_msr"], b["task_ids"])
-        loss = lm + reg
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        omega = info["omega_msr"].detach()
-        sens = b["sensitive"]
-        lam = lagrangian.lambda1.detach()
-        sens_ids = [t.task_id for t in T.TASKS if t.category == "sensitive"]
-        rob_ids = [t.task_id for t in T.TASKS if t.category == "robust"]
-        row = dict(step=step, loss=loss.item(), lm=lm.item(), reg=reg.item(),
-                   omega_sensitive=omega[sens].mean().item(), omega_robust=omega[~sens].mean().item(),
-                   lambda1_sensitive=lam[sens_ids].mean().item(), lambda1_robust=lam[rob_ids].mean().item(),
-                   lr=scheduler.get_last_lr()[0], ms=1000 * (time.time() - t0))
-        train_log.append(row)
-        if step % 10 == 0 or step == P["steps"] - 1:
-            tqdm.write(f"{step:4d} | {row['loss']:.4f} | {row['lm']:.4f} | {row['reg']:+.4f} | "
-                       f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f} | "
-                       f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['lr']:.1e} | {row['ms']:.0f}")
-        if step % 50 == 49:
-            save_router()
-except KeyboardInterrupt:
-    save_router()
-    raise SystemExit(f"\ninterrupted after {len(train_log)} steps; continue with --resume {router_path}")
+for step in range(start_step, P["steps"]):
+    t0 = time.time()
+    b = batch("train", step)
+    logits, info = model(b["tokens"], route=lambda la: gate(la, step))
+    lm = answer_loss(logits, b["targets"])
+    reg = lagrangian(info["omega_msr"], b["task_ids"])
+    loss = lm + reg
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    omega = info["omega_msr"].detach()
+    sens = b["sensitive"]
+    lam = lagrangian.lambda1.detach()
+    sens_ids = [t.task_id for t in T.TASKS if t.category == "sensitive"]
+    rob_ids = [t.task_id for t in T.TASKS if t.category == "robust"]
+    row = dict(step=step, loss=loss.item(), lm=lm.item(), reg=reg.item(),
+               omega_sensitive=omega[sens].mean().item(), omega_robust=omega[~sens].mean().item(),
+               lambda1_sensitive=lam[sens_ids].mean().item(), lambda1_robust=lam[rob_ids].mean().item(),
+               lr=scheduler.get_last_lr()[0], ms=1000 * (time.time() - t0))
+    train_log.append(row)
+    if step % 10 == 0 or step == P["steps"] - 1:
+        tqdm.write(f"{step:4d} | {row['loss']:.4f} | {row['lm']:.4f} | {row['reg']:+.4f} | "
+                   f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f} | "
+                   f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['lr']:.1e} | {row['ms']:.0f}")
+    if step % 50 == 49:
+        save_router()
+    if interrupted:
+        save_router()
+        raise SystemExit(f"\ninterrupted after {len(train_log)} steps; continue with --resume {router_path}")
+signal.signal(signal.SIGINT, signal.default_int_handler)
 save_router()
 
 # -----------------------------------------------------------------------------

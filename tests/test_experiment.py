@@ -72,9 +72,11 @@ def test_ctrl_c_leaves_a_loadable_router_checkpoint(quick_run, tmp_path):
         if line.startswith("  10 |"):
             break
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "interrupted after" in rest, rest[-2000:]
     ckpt = torch.load(tmp_path / "router.pt", weights_only=False)
     assert ckpt["step"] >= 10 and len(ckpt["log"]) == ckpt["step"]
+    assert ckpt["scheduler"]["last_epoch"] == ckpt["step"]  # the optimizer is exactly that many updates in
 
 
 @pytest.mark.parametrize("args, message", [

@@ -281,3 +281,18 @@ def test_fa_xa_is_sparser_than_dense_on_peaked_attention():
     modes = torch.full((cfg.n_layers, 2, cfg.n_kv_heads), K.BLOCK_SPARSE)
     _, info = model(idx, modes=modes)
     assert (info["omega_esr"] > 0).all() and (info["omega_esr"] < 1).all()
+
+
+def test_omega_msr_of_given_modes_counts_only_the_configs_sparse_mode():
+    """In XA-SSA a dense FULL head is not sparse (Ω_MSR 0), an XA head is its "full" side (0) and
+    only STREAMING heads count (1); in FA-SSA FULL counts 0 and STREAMING 1."""
+    for head_config in ("XA-SSA", "FA-SSA"):
+        cfg = tiny(head_config=head_config)
+        model, idx = model_and_tokens(cfg, 2, 37)
+        expected = {K.FULL: 0.0, K.STREAMING: 1.0}
+        if head_config == "XA-SSA":
+            expected[K.BLOCK_SPARSE] = 0.0
+        for mode, omega in expected.items():
+            modes = torch.full((cfg.n_layers, 2, cfg.n_kv_heads), mode)
+            _, info = model(idx, modes=modes)
+            assert torch.equal(info["omega_msr"], torch.full((2,), omega)), (head_config, mode)
