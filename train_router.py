@@ -70,6 +70,8 @@ parser.add_argument("--backbone", help="backbone checkpoint to load, or 'train' 
                                        "(tiny default: the shipped tiny_backbone.pt; gpu: train)")
 parser.add_argument("--backbone-steps", type=int, help="steps of the backbone's first training stage "
                                                        "(tiny: 3600; gpu: 3600 at 256 tokens, then length extension)")
+parser.add_argument("--backbone-stages", help="backbone curriculum 'tokens:steps:batch:lr,...', shortest inputs "
+                                               "first (sink and window scale with the length; default: the preset's)")
 parser.add_argument("--out", help="output folder (default runs/<preset>-<config>-seed<seed>)")
 parser.add_argument("--gate", default="hard-concrete", choices=["hard-concrete", "gumbel"],
                     help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
@@ -94,6 +96,16 @@ for key in ("steps", "backbone", "device", "batch_size", "eval_per_task", "route
 for key in ("steps", "backbone_steps", "batch_size", "eval_per_task"):
     if getattr(args, key) is not None and getattr(args, key) < 1:
         raise SystemExit(f"error: --{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+if args.backbone_stages is not None:
+    try:
+        P["backbone_stages"] = [(int(n), int(steps), int(size), float(lr)) for n, steps, size, lr in
+                                (stage.split(":") for stage in args.backbone_stages.split(","))]
+    except ValueError:
+        raise SystemExit(f"error: --backbone-stages must look like 'tokens:steps:batch:lr,...', got {args.backbone_stages!r}")
+    for n, steps, size, lr in P["backbone_stages"]:
+        if not (1 <= n <= P["seq_len"] and steps >= 1 and size >= 1 and lr > 0):
+            raise SystemExit(f"error: backbone stage {n}:{steps}:{size}:{lr} needs 1 <= tokens <= {P['seq_len']}, "
+                             f"steps >= 1, batch >= 1 and lr > 0")
 if args.backbone_steps is not None:  # the first (main) stage; length-extension stages keep theirs
     P["backbone_stages"] = [(P["backbone_stages"][0][0], args.backbone_steps, *P["backbone_stages"][0][2:])] + \
                            P["backbone_stages"][1:]
@@ -126,13 +138,26 @@ if device.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 model, TF32 matmuls: ~free speed on a GPU
 
 
-def batch(split, index, size=B, tasks=None, seq_len=S):
-    """Seeded batch `index` of a split (train and eval seeds never overlap), on the device. Shorter
-    inputs (backbone stages) scale sink, window and margin with the length."""
+def task_geometry(seq_len):
+    """(window, sink, margin) of the tasks at seq_len tokens: the model's own at S, scaled with the
+    length for the shorter inputs of backbone stages."""
     window, sink = cfg.window * seq_len // S, cfg.sink * seq_len // S
     # Evidence of a sensitive task sits at least L·window tokens before its answers (tasks.relay_margin):
     # a stack of L streaming layers could relay it across L·(window − 1) tokens, but not further.
-    margin = T.relay_margin(cfg.n_layers, window)
+    return window, sink, T.relay_margin(cfg.n_layers, window)
+
+
+for n, *_ in P["backbone_stages"] if train_backbone else []:  # bad stages fail before any training
+    window, sink, margin = task_geometry(n)
+    if window < T.MIN_WINDOW or n < T.min_seq_len(window, sink, margin):
+        raise SystemExit(f"error: backbone stage of {n} tokens is too short for the tasks (window {window}, "
+                         f"sink {sink}, margin {margin} need >= {T.min_seq_len(window, sink, margin)} tokens "
+                         f"and window >= {T.MIN_WINDOW})")
+
+
+def batch(split, index, size=B, tasks=None, seq_len=S):
+    """Seeded batch `index` of a split (train and eval seeds never overlap), on the device."""
+    window, sink, margin = task_geometry(seq_len)
     b = T.make_batch(tasks, size, seq_len, window, sink, seed=T.split_seed(split, index, args.seed), margin=margin)
     return {k: v.to(device) for k, v in b.items()}
 

@@ -94,6 +94,30 @@ def test_bad_arguments_fail_before_training(args, message):
     assert message in proc.stderr + proc.stdout
 
 
+def test_backbone_stages_train_shortest_first(tmp_path):
+    """The gpu preset's length curriculum, at CPU size: 2 steps on 128-token inputs, then 2 on 256."""
+    proc = run_script("--backbone", "train", "--backbone-stages", "128:2:4:3e-3,256:2:4:1e-3", *QUICK[2:],
+                      "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backbone 128 tokens" in proc.stderr and "backbone 256 tokens" in proc.stderr  # tqdm bars
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["backbone"] == "trained here (2 steps × 4 at 128 tokens, 2 steps × 4 at 256 tokens)"
+    ckpt = torch.load(tmp_path / "backbone.pt", weights_only=False)
+    assert ckpt["stages"] == [(128, 2, 4, 3e-3), (256, 2, 4, 1e-3)]
+
+
+@pytest.mark.parametrize("stages, message", [
+    ("256-2-4-1e-3", "must look like 'tokens:steps:batch:lr"),
+    ("512:2:4:1e-3", "needs 1 <= tokens <= 256"),
+    ("256:0:4:1e-3", "steps >= 1"),
+    ("64:2:4:1e-3", "too short for the tasks"),
+])
+def test_bad_backbone_stages_fail_before_training(stages, message, tmp_path):
+    proc = run_script("--backbone", "train", "--backbone-stages", stages, "--out", str(tmp_path), timeout=60)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "backbone.pt").exists()
+
+
 def test_backbone_of_another_config_is_refused(tmp_path):
     other = E.Transformer(E.Config.preset("tiny", vocab_size=T.VOCAB_SIZE, dim=64))
     E.save_checkpoint(str(tmp_path / "other.pt"), other)
