@@ -45,13 +45,14 @@ PRESETS = {
     # the tiny default loads the shipped backbone. Routers learn from batches of 16. The paper's
     # learning rates (router 5e-4, λ 1e-3) go with 300 steps of 48 × 64K tokens; 300 steps of
     # 16 × 256 tokens see 10⁴× fewer, and with them λ1 only reached −0.15 and every task ended at
-    # about the same Ω_MSR, 0.31–0.37 (measured), so the tiny preset uses 4× the router lr and 10× the λ lr.
+    # about the same Ω_MSR, 0.31–0.37 (measured), so the tiny preset uses 4× the router lr and 5× the λ lr.
     # And 1200 steps, not 300: λ1 of the sensitive tasks first goes negative (every task starts below
     # its target) and turns positive only after ~350 steps; only then do the two categories part
     # (measured: after 300 steps both at Ω_MSR ≈ 0.9; after 1200, kv_recall 0.69 and robust 0.87-0.94).
+    # With 1200 steps, λ lr 5e-3 beats 1e-2 (sensitive accuracy 99.6 / 99.2 vs 97.7 / 93.8, measured).
     "tiny": dict(model="tiny", seq_len=256, device="cpu", batch_size=16,
                  backbone=os.path.join(HERE, "tiny_backbone.pt"), backbone_stages=[(256, 3600, 64, 3e-3)],
-                 steps=1200, router_lr=2e-3, lambda_lr=1e-2, eval_per_task=128, eval_batch=64),
+                 steps=1200, router_lr=2e-3, lambda_lr=5e-3, eval_per_task=128, eval_batch=64),
     # One GPU: 4096-token inputs, sink 32 + window 512 (the paper's 128 / 2048 at 16K, scaled by 1/4),
     # the tiny model's shape (E.PRESETS["long"]). Recall is learnt where it is cheap, on 256-token
     # inputs (the plateau above takes thousands of steps), then the backbone is length-extended:
