@@ -231,7 +231,10 @@ class Attention(nn.Module):
             modes = torch.where(gate > 0.5, full_mode, sparse_mode).to(torch.int32)  # (B, Hkv)
         elif modes is None:
             modes = torch.full((B, self.n_kv_heads), FULL, dtype=torch.int32, device=x.device)
-        needs_xa = (modes == BLOCK_SPARSE).any() or (mix and BLOCK_SPARSE in (full_mode, sparse_mode))
+        if gate is not None:  # modes come from this configuration: no need to look at them (a host sync)
+            needs_xa = BLOCK_SPARSE in (full_mode, sparse_mode)
+        else:
+            needs_xa = bool((modes == BLOCK_SPARSE).any())
         if block_mask is None and needs_xa:
             block_mask = kernels.xattention_block_mask(q, k, self.cfg.block_size, self.cfg.xa_stride,
                                                        self.cfg.xa_threshold)  # (B, Hkv, nB, nB)
@@ -246,11 +249,9 @@ class Attention(nn.Module):
             out = zq * o_full + (1 - zq) * o_sparse
         else:
             out = self.run(q, k, v, modes, block_mask)                                     # (B, Hq, S, D)
-        if gate is not None:
-            z = gate                                                                          # (B, Hkv)
-        else:  # given modes: a head counts as sparse (z = 0) only in this configuration's sparse mode,
-            # so a dense FULL head in XA-SSA is not counted as sparse
-            z = ((modes != sparse_mode) if full_mode != sparse_mode else (modes == full_mode)).to(q.dtype)
+        # Given modes, a head is sparse (z = 0) iff it runs this configuration's sparse mode: a dense
+        # FULL head in XA-SSA is not sparse.
+        z = gate if gate is not None else (modes != sparse_mode).to(q.dtype)              # (B, Hkv)
         out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)             # (B, S, Hq·D)
         record = dict(z=z, modes=modes, log_alpha=log_alpha, block_mask=block_mask, k=k, v=v)
         return self.o_proj(out), record

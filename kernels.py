@@ -282,25 +282,26 @@ def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=6
 
 def uniform_attention_sdpa(q, k, v, mode, sink, window, block_mask=None, block_size=64):
     """Every head in one mode: torch's scaled_dot_product_attention. FULL uses is_causal (so the
-    flash kernel applies) and STREAMING one (S, S) mask shared by all heads; BLOCK_SPARSE needs a
-    mask per head, (B, Hq, S, S) bool, i.e. S² bytes per query head (2 GB for 16 × 8 heads at 4K).
-    Every row must see at least itself (hybrid_attention checks it for BLOCK_SPARSE), since SDPA
-    returns NaN for a row that sees nothing."""
-    B, Hq, S, _ = q.shape
-    gqa = Hq != k.shape[1]
+    flash kernel applies), STREAMING one (S, S) mask shared by all heads, BLOCK_SPARSE one mask per
+    KV head, (B, Hkv, S, S) bool, used by its G query heads in G calls (a (B, Hq, S, S) mask would
+    copy it G times). Every row must see at least itself (hybrid_attention checks it for
+    BLOCK_SPARSE), since SDPA returns NaN for a row that sees nothing."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if mode == FULL:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return sdpa(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
+    idx = torch.arange(S, device=q.device)
     if mode == STREAMING:
-        idx = torch.arange(S, device=q.device)
         mask = streaming(sink, window)(None, None, idx.view(S, 1), idx.view(1, S))  # (S, S)
-    else:
-        # hybrid_mask's gather-based predicate would make int64 index tensors of this size (8 GB for
-        # 16 × 4 heads at 4K); blowing the blocks up to tokens makes the same mask with bools only.
-        tok = block_mask.repeat_interleave(block_size, -2)[..., :S, :].repeat_interleave(block_size, -1)
-        idx = torch.arange(S, device=q.device)
-        mask = tok[..., :S] & (idx.view(S, 1) >= idx.view(1, S))                   # (B, Hkv, S, S)
-        mask = mask.repeat_interleave(Hq // k.shape[1], dim=1)                     # (B, Hq, S, S)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return sdpa(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv)
+    # Blocks blown up to tokens: bools only (hybrid_mask's gather predicate would build int64 index
+    # tensors of this size, 8 GB for 16 samples × 4 KV heads at 4K tokens).
+    tok = block_mask.repeat_interleave(block_size, -2)[..., :S, :].repeat_interleave(block_size, -1)
+    mask = tok[..., :S] & (idx.view(S, 1) >= idx.view(1, S))                     # (B, Hkv, S, S)
+    qg = q.view(B, Hkv, Hq // Hkv, S, D)                                         # query heads by KV head
+    out = torch.stack([sdpa(qg[:, :, g], k, v, attn_mask=mask) for g in range(Hq // Hkv)], dim=2)
+    return out.view(B, Hq, S, D)
 
 
 # ============================================================================================

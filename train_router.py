@@ -248,7 +248,8 @@ def gate(log_alpha, step):
 
 # Ctrl-C during router training finishes the current step, saves and exits. A flag rather than the
 # KeyboardInterrupt exception: the exception can land between optimizer.step() and the log (a
-# checkpoint one update ahead of its step count), or inside a finalizer, where Python drops it.
+# checkpoint one update ahead of its step count); and once, in a clean-clone CI run, it was lost
+# altogether and training went on (cause not found). A flag is read at the end of every step.
 interrupted = []
 
 
@@ -259,6 +260,8 @@ def on_ctrl_c(signum, frame):
 
 
 signal.signal(signal.SIGINT, on_ctrl_c)
+sens_task_ids = [t.task_id for t in T.TASKS if t.category == "sensitive"]
+robust_task_ids = [t.task_id for t in T.TASKS if t.category == "robust"]
 print("step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | lr | ms")
 for step in range(start_step, P["steps"]):
     t0 = time.time()
@@ -271,14 +274,12 @@ for step in range(start_step, P["steps"]):
     loss.backward()
     optimizer.step()
     scheduler.step()
-    omega = info["omega_msr"].detach()
-    sens = b["sensitive"]
-    lam = lagrangian.lambda1.detach()
-    sens_ids = [t.task_id for t in T.TASKS if t.category == "sensitive"]
-    rob_ids = [t.task_id for t in T.TASKS if t.category == "robust"]
-    row = dict(step=step, loss=loss.item(), lm=lm.item(), reg=reg.item(),
-               omega_sensitive=omega[sens].mean().item(), omega_robust=omega[~sens].mean().item(),
-               lambda1_sensitive=lam[sens_ids].mean().item(), lambda1_robust=lam[rob_ids].mean().item(),
+    omega, sens, lam = info["omega_msr"].detach(), b["sensitive"].float(), lagrangian.lambda1.detach()
+    logged = torch.stack([loss, lm, reg, (omega * sens).sum() / sens.sum(),  # NaN if no such sample
+                          (omega * (1 - sens)).sum() / (1 - sens).sum(),
+                          lam[sens_task_ids].mean(), lam[robust_task_ids].mean()]).tolist()  # one host sync
+    row = dict(step=step, **dict(zip(("loss", "lm", "reg", "omega_sensitive", "omega_robust",
+                                      "lambda1_sensitive", "lambda1_robust"), logged)),
                lr=scheduler.get_last_lr()[0], ms=1000 * (time.time() - t0))
     train_log.append(row)
     if step % 10 == 0 or step == P["steps"] - 1:

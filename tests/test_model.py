@@ -284,8 +284,9 @@ def test_fa_xa_is_sparser_than_dense_on_peaked_attention():
 
 
 def test_omega_msr_of_given_modes_counts_only_the_configs_sparse_mode():
-    """In XA-SSA a dense FULL head is not sparse (Ω_MSR 0), an XA head is its "full" side (0) and
-    only STREAMING heads count (1); in FA-SSA FULL counts 0 and STREAMING 1."""
+    """A head is sparse iff it runs the configuration's sparse mode: in XA-SSA a dense FULL head is
+    not sparse (Ω_MSR 0), nor is an XA head (its "full" side), only STREAMING (1); in FA-SSA FULL
+    counts 0 and STREAMING 1."""
     for head_config in ("XA-SSA", "FA-SSA"):
         cfg = tiny(head_config=head_config)
         model, idx = model_and_tokens(cfg, 2, 37)
