@@ -36,8 +36,10 @@ if not torch.cuda.is_available():  # smoke-test mode: must be set before triton 
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
 
-import kernels as K  # noqa: E402
-from kernels import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
+import kernels  # noqa: E402
+import masks  # noqa: E402
+import xattention  # noqa: E402
+from masks import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -139,7 +141,7 @@ except Exception:  # noqa: BLE001 (old torch, or no fast backend takes GQA)
 
 
 def hybrid_mask_mod(modes_q, block_mask_q, sink, window, block_size):
-    """FlexAttention mask_mod over query heads: the same predicate as kernels.hybrid_mask, with
+    """FlexAttention mask_mod over query heads: the same predicate as masks.hybrid_mask, with
     the mode read per (sample, query head) from a tensor. Flex evaluates it only on partial blocks."""
     def mask_mod(b, h, q_idx, kv_idx):
         mode = modes_q[b, h]
@@ -152,7 +154,7 @@ def hybrid_mask_mod(modes_q, block_mask_q, sink, window, block_size):
 
 def flex_block_mask(S, modes, sink, window, block_mask=None, block_size=128, rows_per_chunk=2048):
     """One FlexAttention BlockMask for per-head modes, built exactly and without an S×S mask per
-    query head: kernels.hybrid_mask is evaluated per KV head on chunks of query rows and reduced
+    query head: masks.hybrid_mask is evaluated per KV head on chunks of query rows and reduced
     to 'some pair visible' / 'every pair visible' per FLEX_BLOCK² block (the same result as
     create_block_mask, whose uncompiled form would materialise B·Hq·S² bools at S = 128K)."""
     Bm, Hk = modes.shape
@@ -161,7 +163,7 @@ def flex_block_mask(S, modes, sink, window, block_mask=None, block_size=128, row
     full = torch.zeros_like(partial)
     for r0 in range(0, S, rows_per_chunk):
         rows = torch.arange(r0, min(S, r0 + rows_per_chunk), device=device)
-        m = K.hybrid_mask(S, modes, sink, window, block_mask, block_size, q_idx=rows)   # (B, Hkv, rows, S)
+        m = masks.hybrid_mask(S, modes, sink, window, block_mask, block_size, q_idx=rows)   # (B, Hkv, rows, S)
         m = m.view(Bm, Hk, len(rows) // FLEX_BLOCK, FLEX_BLOCK, nb, FLEX_BLOCK)
         anyv, allv = m.any(5).any(3), m.all(5).all(3)                                 # (B, Hkv, rows/blk, nb)
         partial[:, :, r0 // FLEX_BLOCK: r0 // FLEX_BLOCK + anyv.shape[2]] = anyv & ~allv
@@ -174,7 +176,7 @@ def flex_block_mask(S, modes, sink, window, block_mask=None, block_size=128, row
         return cnt, idx
 
     if block_mask is None:  # all-off stand-in of the real shape, so one mask_mod serves every setting
-        n = K.num_blocks(S, block_size)
+        n = masks.num_blocks(S, block_size)
         block_mask = torch.zeros(Bm, Hk, n, n, dtype=torch.bool, device=device)
     bm_q = block_mask.repeat_interleave(G, 1).contiguous()                            # (B, Hq, nB, nB)
     modes_q = modes.repeat_interleave(G, 1).to(torch.int32).contiguous()              # (B, Hq)
@@ -197,7 +199,7 @@ def modes_for(frac, perm):
 def random_block_mask(S, block_size, sparsity, gen):
     """(1, Hkv, nB, nB) bool, XAttention-like: the sink column and the diagonal always on, other
     causal blocks on at random so that about (1 - sparsity) of the causal blocks are on."""
-    nb = K.num_blocks(S, block_size)
+    nb = masks.num_blocks(S, block_size)
     causal_blocks = nb * (nb + 1) / 2
     forced = 2 * nb - 1
     p = max(0.0, ((1 - sparsity) * causal_blocks - forced) / max(1.0, causal_blocks - forced))
@@ -248,13 +250,13 @@ def tune(S, perm):
     rows = []
     for frac in (0.0, 0.75):
         modes = modes_for(frac, perm)
-        flops = K.attention_flops(S, modes, args.sink, args.window, head_dim=D, group=G)
-        ref = K.fused_hybrid_attention(q, k, v, modes, args.sink, args.window)
+        flops = kernels.attention_flops(S, modes, args.sink, args.window, head_dim=D, group=G)
+        ref = kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window)
         for cfg in configs:
             for heavy_first in ((True, False) if cfg is None else (True,)):
                 rec = dict(S=S, frac=frac, config=cfg, heavy_first=heavy_first)
                 try:
-                    fn = lambda: K.fused_hybrid_attention(q, k, v, modes, args.sink, args.window,  # noqa: E731
+                    fn = lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window,  # noqa: E731
                                                           config=cfg, heavy_first=heavy_first)
                     rec["diff"] = max_diff(fn(), ref)
                     rec["ms"] = bench_ms(fn)
@@ -302,7 +304,7 @@ def main():
         k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)   # (B, Hkv, S, D)
         v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
         all_full = torch.full((B, Hkv), FULL, dtype=torch.int32, device=device)
-        flops_full = K.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
+        flops_full = kernels.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
         o_sdpa = sdpa_gqa(q, k, v)
         sdpa_ms = bench_ms(lambda: sdpa_gqa(q, k, v))
         ours_full_ms = None
@@ -317,12 +319,12 @@ def main():
                 modes = torch.full((B, Hkv), BLOCK_SPARSE, dtype=torch.int32, device=device)
                 bs = args.block_size
                 bm = random_block_mask(S, bs, args.block_sparsity, gen)
-            flops = K.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
+            flops = kernels.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
             rec = dict(S=S, kind=kind, frac=frac, flops=flops, ideal_speedup=flops_full / flops,
-                       omega_esr=float(K.omega_esr_closed_form(S, modes, args.sink, args.window, bm, bs)[0]),
+                       omega_esr=float(masks.omega_esr_closed_form(S, modes, args.sink, args.window, bm, bs)[0]),
                        sdpa_ms=sdpa_ms)
 
-            ours = lambda: K.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs,  # noqa: E731
+            ours = lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs,  # noqa: E731
                                                     config=cfg, heavy_first=heavy_first)
             o_ours = ours()
             rec["ours_ms"] = bench_ms(ours)
@@ -422,25 +424,25 @@ def xa_section(perm, gen, sdpa_by_S):
     for S in seq_lens:
         q, k, v = structured_qkv(S, gen)
         sdpa_ms = sdpa_by_S.get(S) or bench_ms(lambda: sdpa_gqa(q, k, v))
-        scores = K.xattention_scores(q, k, bs, stride)                          # (B, Hkv, nB, nB)
-        score_ms = bench_ms(lambda: K.xattention_scores(q, k, bs, stride))
-        pick_ms = bench_ms(lambda: K.xattention_select(scores, thr))
-        bm = K.xattention_select(scores, thr)                                    # (B, Hkv, nB, nB)
+        scores = xattention.xattention_scores(q, k, bs, stride)                          # (B, Hkv, nB, nB)
+        score_ms = bench_ms(lambda: xattention.xattention_scores(q, k, bs, stride))
+        pick_ms = bench_ms(lambda: xattention.xattention_select(scores, thr))
+        bm = xattention.xattention_select(scores, thr)                                    # (B, Hkv, nB, nB)
         nB = bm.shape[-1]
         causal_blocks = nB * (nB + 1) / 2
         all_full = torch.full((B, Hkv), FULL, dtype=torch.int32, device=device)
-        full_ms = bench_ms(lambda: K.fused_hybrid_attention(q, k, v, all_full, args.sink, args.window))
-        flops_full = K.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
+        full_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, all_full, args.sink, args.window))
+        flops_full = kernels.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
         for frac in fracs:
             if frac == 0:
                 continue
             ssa_modes = modes_for(frac, perm)                                     # FA-SSA, same heads
-            ssa_ms = bench_ms(lambda: K.fused_hybrid_attention(q, k, v, ssa_modes, args.sink, args.window))
+            ssa_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, ssa_modes, args.sink, args.window))
             modes = torch.where(ssa_modes == STREAMING, BLOCK_SPARSE, ssa_modes).to(torch.int32)  # FA-XA
             xassa = torch.where(ssa_modes == FULL, BLOCK_SPARSE, ssa_modes).to(torch.int32)  # XA-SSA
-            xassa_ms = bench_ms(lambda: K.fused_hybrid_attention(q, k, v, xassa, args.sink, args.window, bm, bs))
-            attn_ms = bench_ms(lambda: K.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs))
-            flops = K.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
+            xassa_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, xassa, args.sink, args.window, bm, bs))
+            attn_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs))
+            flops = kernels.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
             xa_heads = modes[0] == BLOCK_SPARSE
             density = float(bm[0, xa_heads].sum()) / (int(xa_heads.sum()) * causal_blocks)
             ideal = flops_full / flops

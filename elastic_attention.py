@@ -31,7 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from kernels import BLOCK_SPARSE, FULL, STREAMING
+import masks
+import xattention
+from masks import BLOCK_SPARSE, FULL, STREAMING
 import router as router_lib
 
 # Head configurations: (mode of a retrieval head z = 1, mode of a sparse head z = 0).
@@ -79,7 +81,7 @@ class Config:
             raise ValueError(f"query heads {self.n_heads} not a multiple of KV heads {self.n_kv_heads}")
         if self.head_config not in HEAD_CONFIGS:
             raise ValueError(f"head_config must be one of {list(HEAD_CONFIGS)}, got {self.head_config!r}")
-        kernels.check_sparse_params(self.sink, self.window, self.block_size)
+        masks.check_sparse_params(self.sink, self.window, self.block_size)
         if self.block_size % self.xa_stride:
             raise ValueError(f"xa_stride {self.xa_stride} does not divide block_size {self.block_size}")
 
@@ -236,7 +238,7 @@ class Attention(nn.Module):
         else:
             needs_xa = bool((modes == BLOCK_SPARSE).any())
         if block_mask is None and needs_xa:
-            block_mask = kernels.xattention_block_mask(q, k, self.cfg.block_size, self.cfg.xa_stride,
+            block_mask = xattention.xattention_block_mask(q, k, self.cfg.block_size, self.cfg.xa_stride,
                                                        self.cfg.xa_threshold)  # (B, Hkv, nB, nB)
 
         if mix:
@@ -343,7 +345,7 @@ class Transformer(nn.Module):
     def summarize(self, records, S):
         c = self.cfg
         z = torch.stack([r["z"] for r in records])  # (L, B, Hkv)
-        esr = torch.stack([kernels.omega_esr_closed_form(S, r["modes"], c.sink, c.window, r["block_mask"],
+        esr = torch.stack([masks.omega_esr_closed_form(S, r["modes"], c.sink, c.window, r["block_mask"],
                                                          c.block_size) for r in records])  # (L, B)
         return dict(
             records=records, z=[r["z"] for r in records], modes=[r["modes"] for r in records],
@@ -405,9 +407,9 @@ class Transformer(nn.Module):
             q, k, v, _ = attn.project(layer.input_layernorm(x), cos, sin)  # (B, H, 1, D)
             k_cache, v_cache = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)  # (B, Hkv, T, D)
             T = k_cache.shape[2]
-            mask = kernels.hybrid_mask(T, modes, c.sink, c.window, _grow(bm, T, c.block_size), c.block_size,
+            mask = masks.hybrid_mask(T, modes, c.sink, c.window, _grow(bm, T, c.block_size), c.block_size,
                                        q_idx=torch.tensor([pos]))   # (B, Hkv, 1, T)
-            a = kernels.masked_attention(q, k_cache, v_cache, mask)  # (B, Hq, 1, D)
+            a = masks.masked_attention(q, k_cache, v_cache, mask)  # (B, Hq, 1, D)
             a = a.transpose(1, 2).reshape(x.shape[0], 1, -1)        # (B, 1, Hq·D)
             x = x + attn.o_proj(a)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -420,7 +422,7 @@ def _grow(block_mask, T, block_size):
     every key block on: past the prefill, block-sparse heads attend like full ones."""
     if block_mask is None:
         return None
-    n = kernels.num_blocks(T, block_size)
+    n = masks.num_blocks(T, block_size)
     return F.pad(block_mask, (0, n - block_mask.shape[-1], 0, n - block_mask.shape[-2]), value=True)
 
 # -----------------------------------------------------------------------------

@@ -14,10 +14,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import kernels as K
-from kernels import BLOCK_SPARSE, FULL, STREAMING
+import kernels
+import masks
+from masks import BLOCK_SPARSE, FULL, STREAMING
 
-pytestmark = pytest.mark.skipif(not K._HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not kernels._HAS_TRITON, reason="triton is not installed")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -35,7 +36,7 @@ def make_case(B, Hkv, G, S, D, dtype, seed, block_size=16, p_block=0.4, modes=No
     v = torch.randn(B, Hkv, S, D, generator=g)
     if modes is None:
         modes = torch.randint(0, 3, (B, Hkv), generator=g)
-    nB = K.num_blocks(S, block_size)
+    nB = masks.num_blocks(S, block_size)
     block_mask = torch.rand(B, Hkv, nB, nB, generator=g) < p_block
     to = dict(device=device)
     return (q.to(dtype=dtype, **to), k.to(dtype=dtype, **to), v.to(dtype=dtype, **to),
@@ -52,8 +53,8 @@ def sdpa_same_dtype(q, k, v, mask):
 
 
 def assert_close_to_reference(out, q, k, v, modes, sink, window, block_mask, block_size):
-    mask = K.hybrid_mask(q.shape[2], modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S)
-    ref = K.naive_attention(q.double(), k.double(), v.double(), mask)             # float64 truth
+    mask = masks.hybrid_mask(q.shape[2], modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S)
+    ref = masks.naive_attention(q.double(), k.double(), v.double(), mask)             # float64 truth
     err = (out.double() - ref).abs()
     torch_err = (sdpa_same_dtype(q, k, v, mask).double() - ref).abs().max().item()
     bound = 2 * torch_err + FLOOR[q.dtype]
@@ -93,7 +94,7 @@ def hybrid_cases(draw):
 def test_kernel_matches_reference_drawn(case):
     B, Hkv, G, S, D, sink, window, block_size, p_block, dtype, seed = case
     q, k, v, modes, bm = make_case(B, Hkv, G, S, D, dtype, seed, block_size, p_block)
-    out = K.fused_hybrid_attention(q, k, v, modes, sink, window, bm, block_size)
+    out = kernels.fused_hybrid_attention(q, k, v, modes, sink, window, bm, block_size)
     assert out.dtype == dtype and out.shape == q.shape
     assert_close_to_reference(out, q, k, v, modes, sink, window, bm, block_size)
 
@@ -105,7 +106,7 @@ def test_each_mode_alone_and_mixed_across_samples(dtype):
     """Sample 0 all FULL, sample 1 mixed: the mode is read per (sample, KV head)."""
     modes = torch.tensor([[FULL, FULL], [STREAMING, BLOCK_SPARSE]])
     q, k, v, modes, bm = make_case(2, 2, 2, 150, 32, dtype, seed=1, block_size=32, modes=modes)
-    out = K.fused_hybrid_attention(q, k, v, modes, 5, 37, bm, 32)
+    out = kernels.fused_hybrid_attention(q, k, v, modes, 5, 37, bm, 32)
     assert_close_to_reference(out, q, k, v, modes, 5, 37, bm, 32)
 
 
@@ -114,20 +115,20 @@ def test_streaming_sweep_around_tile_edges():
     the tile-range arithmetic (partial sink tile, window edge, window body) can be off by one."""
     q, k, v, _, _ = make_case(1, 1, 1, 3 * 128 + 5 if CUDA else 101, 16, torch.float32, seed=10)
     modes = torch.full((1, 1), STREAMING, device=DEVICE)
-    BLOCK_M, BLOCK_N, _, _ = K._tile_config(16, torch.float32, 64, False, not CUDA)
+    BLOCK_M, BLOCK_N, _, _ = kernels._tile_config(16, torch.float32, 64, False, not CUDA)
     edges = sorted({max(1, n * t + d) for t in (BLOCK_N, BLOCK_M) for n in (1, 2) for d in (-1, 0, 1, 2)})
     for sink in [0] + edges[::2]:
         for window in edges:
-            out = K.fused_hybrid_attention(q, k, v, modes, sink, window)
+            out = kernels.fused_hybrid_attention(q, k, v, modes, sink, window)
             assert_close_to_reference(out, q, k, v, modes, sink, window, None, 64)
 
 
 def test_window_or_sink_covering_everything_is_full_attention():
     q, k, v, _, _ = make_case(1, 2, 1, 77, 16, torch.float32, seed=2)
-    full = K.fused_hybrid_attention(q, k, v, torch.full((1, 2), FULL, device=DEVICE), 0, 1)
+    full = kernels.fused_hybrid_attention(q, k, v, torch.full((1, 2), FULL, device=DEVICE), 0, 1)
     streaming = torch.full((1, 2), STREAMING, device=DEVICE)
     for sink, window in [(0, 77), (0, 500), (77, 1), (200, 3)]:
-        out = K.fused_hybrid_attention(q, k, v, streaming, sink, window)
+        out = kernels.fused_hybrid_attention(q, k, v, streaming, sink, window)
         torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
 
 
@@ -137,7 +138,7 @@ def test_empty_block_rows_give_zeros_and_minus_inf_lse():
     q, k, v, _, bm = make_case(1, 1, 2, S, 32, torch.float32, seed=3, block_size=bs, p_block=1.0)
     bm[0, 0, 2] = False                                     # query block 2: rows 32…47 see nothing
     modes = torch.full((1, 1), BLOCK_SPARSE, device=DEVICE)
-    out, lse = K.fused_hybrid_attention(q, k, v, modes, 0, 1, bm, bs, return_lse=True)
+    out, lse = kernels.fused_hybrid_attention(q, k, v, modes, 0, 1, bm, bs, return_lse=True)
     assert (out[:, :, 32:48] == 0).all() and torch.isneginf(lse[:, :, 32:48]).all()
     assert_close_to_reference(out, q, k, v, modes, 0, 1, bm, bs)
 
@@ -148,15 +149,15 @@ def test_block_sizes_larger_than_the_tiles(block_size):
     modes = torch.tensor([[BLOCK_SPARSE, STREAMING]])
     q, k, v, modes, bm = make_case(1, 2, 2, 260, 16, torch.float32, seed=4, block_size=block_size,
                                    p_block=0.5, modes=modes)
-    out = K.fused_hybrid_attention(q, k, v, modes, 3, 50, bm, block_size)
+    out = kernels.fused_hybrid_attention(q, k, v, modes, 3, 50, bm, block_size)
     assert_close_to_reference(out, q, k, v, modes, 3, 50, bm, block_size)
 
 
 def test_log_sum_exp():
     S, D = 90, 32
     q, k, v, modes, bm = make_case(1, 2, 2, S, D, torch.float32, seed=5, block_size=16)
-    out, lse = K.fused_hybrid_attention(q, k, v, modes, 4, 20, bm, 16, return_lse=True)
-    mask = K.hybrid_mask(S, modes, 4, 20, bm, 16).repeat_interleave(2, 1)           # (B, Hq, S, S)
+    out, lse = kernels.fused_hybrid_attention(q, k, v, modes, 4, 20, bm, 16, return_lse=True)
+    mask = masks.hybrid_mask(S, modes, 4, 20, bm, 16).repeat_interleave(2, 1)           # (B, Hq, S, S)
     scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1) / math.sqrt(D)
     ref = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)              # (B, Hq, S)
     assert lse.dtype == torch.float32 and lse.shape == (1, 4, S)
@@ -172,35 +173,35 @@ def test_non_contiguous_inputs_and_padded_head_dim():
     v = torch.randn(B, S, Hkv, D, generator=g).to(DEVICE).transpose(1, 2)
     modes = torch.tensor([[FULL, STREAMING], [STREAMING, FULL]], device=DEVICE)
     assert not q.is_contiguous()
-    out = K.fused_hybrid_attention(q, k, v, modes, 2, 9)
+    out = kernels.fused_hybrid_attention(q, k, v, modes, 2, 9)
     assert_close_to_reference(out, q, k, v, modes, 2, 9, None, 64)
 
 
 def test_gqa_ratio_8():
     q, k, v, modes, bm = make_case(1, 1, 8, 40, 16, torch.float32, seed=7)
-    out = K.fused_hybrid_attention(q, k, v, modes, 1, 6, bm, 16)
+    out = kernels.fused_hybrid_attention(q, k, v, modes, 1, 6, bm, 16)
     assert_close_to_reference(out, q, k, v, modes, 1, 6, bm, 16)
 
 
 def test_hybrid_attention_dispatches_to_the_kernel():
     q, k, v, modes, bm = make_case(1, 2, 2, 33, 16, torch.float32, seed=8, block_size=16)
-    fused = K.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="triton")
-    reference = K.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="reference")
+    fused = kernels.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="triton")
+    reference = kernels.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="reference")
     torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_flops_cost_model():
     S, D, G = 300, 64, 4
     modes = torch.tensor([[FULL, STREAMING, BLOCK_SPARSE]])
-    bm = torch.rand(1, 3, K.num_blocks(S, 32), K.num_blocks(S, 32)) < 0.5
-    pairs = K.hybrid_mask(S, modes, 7, 50, bm, 32).sum().item()
-    assert K.attention_flops(S, modes, 7, 50, bm, 32, head_dim=D, group=G) == 4 * D * G * pairs
-    assert K.attention_flops(S, modes[:, :1], 0, 1, head_dim=D) == 4 * D * S * (S + 1) / 2
+    bm = torch.rand(1, 3, masks.num_blocks(S, 32), masks.num_blocks(S, 32)) < 0.5
+    pairs = masks.hybrid_mask(S, modes, 7, 50, bm, 32).sum().item()
+    assert kernels.attention_flops(S, modes, 7, 50, bm, 32, head_dim=D, group=G) == 4 * D * G * pairs
+    assert kernels.attention_flops(S, modes[:, :1], 0, 1, head_dim=D) == 4 * D * S * (S + 1) / 2
 
 
 def test_block_lists_are_compact_causal_and_ascending():
     bm = torch.tensor([[[[1, 1, 0], [0, 1, 1], [1, 0, 1]]]], dtype=torch.bool)   # (1, 1, 3, 3)
-    idx, cnt = K.block_lists(bm)
+    idx, cnt = kernels.block_lists(bm)
     assert cnt.tolist() == [[[1, 1, 2]]]               # row 1's block 2 lies above the diagonal
     assert idx[0, 0, 0, :1].tolist() == [0] and idx[0, 0, 1, :1].tolist() == [1]
     assert idx[0, 0, 2, :2].tolist() == [0, 2]
@@ -218,7 +219,7 @@ def test_gpu_long_sequences(dtype, S, D):
     modes = torch.tensor([[FULL, STREAMING, BLOCK_SPARSE, STREAMING]])
     q, k, v, modes, bm = make_case(1, 4, 2, S, D, dtype, seed=S + D, block_size=128, p_block=0.2,
                                    modes=modes)
-    out = K.fused_hybrid_attention(q, k, v, modes, 128, 1024, bm, 128)
+    out = kernels.fused_hybrid_attention(q, k, v, modes, 128, 1024, bm, 128)
     assert_close_to_reference(out, q, k, v, modes, 128, 1024, bm, 128)
 
 
@@ -227,7 +228,7 @@ def test_gpu_long_sequences(dtype, S, D):
                                                  (128, torch.float32, 64), (64, torch.bfloat16, 16)])
 def test_gpu_other_head_dims_dtypes_and_block_sizes(D, dtype, block_size):
     q, k, v, modes, bm = make_case(2, 2, 4, 777, D, dtype, seed=D, block_size=block_size, p_block=0.3)
-    out = K.fused_hybrid_attention(q, k, v, modes, 16, 200, bm, block_size)
+    out = kernels.fused_hybrid_attention(q, k, v, modes, 16, 200, bm, block_size)
     assert_close_to_reference(out, q, k, v, modes, 16, 200, bm, block_size)
 
 # ----------------------------------------------------------------------------------------------
@@ -254,17 +255,17 @@ def _ok(S=20, D=16):
 def test_bad_input(change, message):
     q, k, v, modes, bm, bs = change(*_ok())
     with pytest.raises(ValueError, match=message):
-        K.fused_hybrid_attention(q, k, v, modes, 2, 5, bm, bs)
+        kernels.fused_hybrid_attention(q, k, v, modes, 2, 5, bm, bs)
 
 
 def test_bad_head_dim_too_large():
     q, k, v, modes, bm = _ok(S=4, D=272)
     with pytest.raises(ValueError, match="head dim"):
-        K.fused_hybrid_attention(q, k, v, modes, 2, 5, bm, 16)
+        kernels.fused_hybrid_attention(q, k, v, modes, 2, 5, bm, 16)
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's limitation")
 def test_bf16_rejected_by_the_interpreter():
     q, k, v, modes, bm = _ok()
     with pytest.raises(ValueError, match="bfloat16"):
-        K.fused_hybrid_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), modes, 2, 5, bm, 16)
+        kernels.fused_hybrid_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), modes, 2, 5, bm, 16)

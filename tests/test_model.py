@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import elastic_attention as E
-import kernels as K
-from kernels import FULL, STREAMING
+import masks
+from masks import FULL, STREAMING
 
 SETTINGS = settings(max_examples=10, deadline=None)
 
@@ -278,7 +278,7 @@ def test_fa_xa_is_sparser_than_dense_on_peaked_attention():
     """At τ = 0.5 some blocks go, and Ω_ESR of an all-XA model is positive."""
     cfg = tiny(head_config="FA-XA", xa_threshold=0.5, block_size=4, xa_stride=2)
     model, idx = model_and_tokens(cfg, 2, 64)
-    modes = torch.full((cfg.n_layers, 2, cfg.n_kv_heads), K.BLOCK_SPARSE)
+    modes = torch.full((cfg.n_layers, 2, cfg.n_kv_heads), masks.BLOCK_SPARSE)
     _, info = model(idx, modes=modes)
     assert (info["omega_esr"] > 0).all() and (info["omega_esr"] < 1).all()
 
@@ -290,9 +290,9 @@ def test_omega_msr_of_given_modes_counts_only_the_configs_sparse_mode():
     for head_config in ("XA-SSA", "FA-SSA"):
         cfg = tiny(head_config=head_config)
         model, idx = model_and_tokens(cfg, 2, 37)
-        expected = {K.FULL: 0.0, K.STREAMING: 1.0}
+        expected = {masks.FULL: 0.0, masks.STREAMING: 1.0}
         if head_config == "XA-SSA":
-            expected[K.BLOCK_SPARSE] = 0.0
+            expected[masks.BLOCK_SPARSE] = 0.0
         for mode, omega in expected.items():
             modes = torch.full((cfg.n_layers, 2, cfg.n_kv_heads), mode)
             _, info = model(idx, modes=modes)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import kernels as K
-from kernels import BLOCK_SPARSE, FULL, STREAMING
+import kernels
+import masks
+from masks import BLOCK_SPARSE, FULL, STREAMING
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -49,7 +50,7 @@ def random_case(B, Hkv, G, S, D, block_size, seed, p_block=0.5):
     k = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64)
     modes = torch.randint(0, 3, (B, Hkv), generator=g)
-    nB = K.num_blocks(S, block_size)
+    nB = masks.num_blocks(S, block_size)
     block_mask = torch.rand(B, Hkv, nB, nB, generator=g) < p_block
     return q, k, v, modes, block_mask
 
@@ -62,7 +63,7 @@ lengths = st.sampled_from([1, 2, 7, 16, 17, 31, 64, 97, 130])
        seed=st.integers(0, 2**16))
 def test_hybrid_mask_matches_definition(S, sink, window, block_size, seed):
     _, _, _, modes, bm = random_case(2, 3, 1, S, 4, block_size, seed)
-    mask = K.hybrid_mask(S, modes, sink, window, bm, block_size)
+    mask = masks.hybrid_mask(S, modes, sink, window, bm, block_size)
     for b in range(2):
         for h in range(3):
             want = loop_mask(S, int(modes[b, h]), sink, window, bm[b, h], block_size)
@@ -74,7 +75,7 @@ def test_hybrid_mask_matches_definition(S, sink, window, block_size, seed):
 def test_naive_attention_matches_loops_and_gqa_shares_modes(S, G, seed):
     """Each query head uses the mask of its KV head h // G (contiguous groups)."""
     q, k, v, modes, bm = random_case(2, 2, G, S, 8, 4, seed)
-    out = K.hybrid_attention(q, k, v, modes, 2, 3, bm, 4, backend="reference")
+    out = kernels.hybrid_attention(q, k, v, modes, 2, 3, bm, 4, backend="reference")
     for b in range(2):
         for hq in range(2 * G):
             hk = hq // G
@@ -90,37 +91,37 @@ def test_streaming_with_window_at_least_S_is_full(S, sink, seed):
     full = torch.full((1, 2), FULL)
     stream = torch.full((1, 2), STREAMING)
     for window in (S, S + 5):
-        assert torch.equal(K.hybrid_mask(S, stream, sink, window), K.hybrid_mask(S, full, sink, window))
-        torch.testing.assert_close(K.hybrid_attention(q, k, v, stream, sink, window),
-                                   K.hybrid_attention(q, k, v, full, sink, window), rtol=0, atol=0)
+        assert torch.equal(masks.hybrid_mask(S, stream, sink, window), masks.hybrid_mask(S, full, sink, window))
+        torch.testing.assert_close(kernels.hybrid_attention(q, k, v, stream, sink, window),
+                                   kernels.hybrid_attention(q, k, v, full, sink, window), rtol=0, atol=0)
 
 
 @SETTINGS
 @given(S=lengths, window=st.integers(1, 10), seed=st.integers(0, 2**16))
 def test_streaming_with_sink_at_least_S_is_full(S, window, seed):
     modes = torch.full((1, 1), STREAMING)
-    assert torch.equal(K.hybrid_mask(S, modes, S, window), K.hybrid_mask(S, modes * 0, 0, window))
+    assert torch.equal(masks.hybrid_mask(S, modes, S, window), masks.hybrid_mask(S, modes * 0, 0, window))
 
 
 @SETTINGS
 @given(S=lengths, block_size=st.sampled_from([4, 16, 64]), seed=st.integers(0, 2**16))
 def test_block_sparse_with_every_block_on_is_full(S, block_size, seed):
     q, k, v, _, _ = random_case(1, 2, 1, S, 8, block_size, seed)
-    nB = K.num_blocks(S, block_size)
+    nB = masks.num_blocks(S, block_size)
     bm = torch.ones(1, 2, nB, nB, dtype=torch.bool)
-    out = K.hybrid_attention(q, k, v, torch.full((1, 2), BLOCK_SPARSE), 0, 1, bm, block_size)
-    torch.testing.assert_close(out, K.hybrid_attention(q, k, v, torch.zeros(1, 2, dtype=torch.long), 0, 1),
+    out = kernels.hybrid_attention(q, k, v, torch.full((1, 2), BLOCK_SPARSE), 0, 1, bm, block_size)
+    torch.testing.assert_close(out, kernels.hybrid_attention(q, k, v, torch.zeros(1, 2, dtype=torch.long), 0, 1),
                                rtol=0, atol=0)
 
 
 def test_rows_with_no_visible_key_are_zero_not_nan():
     S, bs = 20, 4
     q, k, v, _, _ = random_case(1, 1, 2, S, 8, bs, 0)
-    nB = K.num_blocks(S, bs)
+    nB = masks.num_blocks(S, bs)
     bm = torch.ones(1, 1, nB, nB, dtype=torch.bool)
     bm[0, 0, 2, :] = False  # query block 2 (rows 8..11) sees nothing
     q.requires_grad_(True)
-    out = K.hybrid_attention(q, k, v, torch.full((1, 1), BLOCK_SPARSE), 0, 1, bm, bs)
+    out = kernels.hybrid_attention(q, k, v, torch.full((1, 1), BLOCK_SPARSE), 0, 1, bm, bs)
     assert torch.isfinite(out).all()
     assert torch.equal(out[0, :, 8:12], torch.zeros_like(out[0, :, 8:12]))
     assert out[0, :, 12:].abs().sum() > 0
@@ -132,25 +133,25 @@ def test_rows_with_no_visible_key_are_zero_not_nan():
 @given(S=lengths, seed=st.integers(0, 2**16))
 def test_batch_with_different_modes_equals_one_sample_at_a_time(S, seed):
     q, k, v, modes, bm = random_case(3, 2, 2, S, 8, 16, seed)
-    out = K.hybrid_attention(q, k, v, modes, 3, 5, bm, 16)
+    out = kernels.hybrid_attention(q, k, v, modes, 3, 5, bm, 16)
     for b in range(3):
-        one = K.hybrid_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], modes[b:b + 1], 3, 5, bm[b:b + 1], 16)
+        one = kernels.hybrid_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], modes[b:b + 1], 3, 5, bm[b:b + 1], 16)
         torch.testing.assert_close(out[b:b + 1], one, rtol=0, atol=0)
 
 
 def test_omega_esr_hand_computed():
     # S = 4, sink 1, window 1: row i keeps {0, i} → 1 + 2 + 2 + 2 = 7 of 10 causal pairs.
     modes = torch.tensor([[FULL, STREAMING]])
-    mask = K.hybrid_mask(4, modes, 1, 1)
+    mask = masks.hybrid_mask(4, modes, 1, 1)
     assert mask[0, 1].sum() == 7
-    assert K.omega_esr(mask).item() == pytest.approx((0.0 + 0.3) / 2)
+    assert masks.omega_esr(mask).item() == pytest.approx((0.0 + 0.3) / 2)
     # Two layers: the mean over layers.
-    mask_full = K.hybrid_mask(4, torch.tensor([[FULL, FULL]]), 1, 1)
-    assert K.omega_esr([mask, mask_full]).item() == pytest.approx(0.075)
+    mask_full = masks.hybrid_mask(4, torch.tensor([[FULL, FULL]]), 1, 1)
+    assert masks.omega_esr([mask, mask_full]).item() == pytest.approx(0.075)
     # Block-sparse S = 8, block 4, only the diagonal blocks: 2 × (1+2+3+4) = 20 of 36 pairs kept.
     bm = torch.eye(2, dtype=torch.bool).view(1, 1, 2, 2)
-    m = K.hybrid_mask(8, torch.tensor([[BLOCK_SPARSE]]), 0, 1, bm, 4)
-    assert K.omega_esr(m).item() == pytest.approx(1 - 20 / 36)
+    m = masks.hybrid_mask(8, torch.tensor([[BLOCK_SPARSE]]), 0, 1, bm, 4)
+    assert masks.omega_esr(m).item() == pytest.approx(1 - 20 / 36)
 
 
 @SETTINGS
@@ -158,15 +159,15 @@ def test_omega_esr_hand_computed():
        seed=st.integers(0, 2**16))
 def test_closed_form_esr_equals_mask_esr(S, sink, window, block_size, seed):
     _, _, _, modes, bm = random_case(2, 3, 1, S, 4, block_size, seed)
-    mask = K.hybrid_mask(S, modes, sink, window, bm, block_size)
-    assert torch.equal(K.kept_pairs(S, modes, sink, window, bm, block_size), mask.sum((-2, -1)).double())
-    torch.testing.assert_close(K.omega_esr_closed_form(S, modes, sink, window, bm, block_size), K.omega_esr(mask))
+    mask = masks.hybrid_mask(S, modes, sink, window, bm, block_size)
+    assert torch.equal(masks.kept_pairs(S, modes, sink, window, bm, block_size), mask.sum((-2, -1)).double())
+    torch.testing.assert_close(masks.omega_esr_closed_form(S, modes, sink, window, bm, block_size), masks.omega_esr(mask))
 
 
 def test_reference_is_differentiable_in_float32():
     q, k, v, modes, bm = random_case(1, 2, 2, 33, 8, 16, 1)
     q, k, v = (t.float().requires_grad_(True) for t in (q, k, v))
-    K.hybrid_attention(q, k, v, modes, 2, 4, bm, 16).square().sum().backward()
+    kernels.hybrid_attention(q, k, v, modes, 2, 4, bm, 16).square().sum().backward()
     for t in (q, k, v):
         assert torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
 
@@ -197,24 +198,24 @@ def test_bad_arguments_raise(kwargs, match):
     args = dict(modes=torch.tensor([[0, 1]]), sink=1, window=2, block_mask=None, block_size=4)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        K.hybrid_attention(q, k, v, **args)
+        kernels.hybrid_attention(q, k, v, **args)
 
 
 def test_bad_tensors_raise():
     modes = torch.tensor([[0, 1]])
     q, k, v = _qkv(Hq=3, Hkv=2)
     with pytest.raises(ValueError, match="query heads 3 not a multiple of KV heads 2"):
-        K.hybrid_attention(q, k, v, torch.tensor([[0, 1]]), 1, 2)
+        kernels.hybrid_attention(q, k, v, torch.tensor([[0, 1]]), 1, 2)
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="dtypes differ"):
-        K.hybrid_attention(q.double(), k, v, modes, 1, 2)
+        kernels.hybrid_attention(q.double(), k, v, modes, 1, 2)
     with pytest.raises(ValueError, match="must both be"):
-        K.hybrid_attention(q, k[:, :, :5], v[:, :, :5], modes, 1, 2)
+        kernels.hybrid_attention(q, k[:, :, :5], v[:, :, :5], modes, 1, 2)
     with pytest.raises(ValueError, match="4-d"):
-        K.hybrid_attention(q[0], k, v, modes, 1, 2)
+        kernels.hybrid_attention(q[0], k, v, modes, 1, 2)
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="devices differ"):
-            K.hybrid_attention(q.cuda(), k, v, modes, 1, 2)
+            kernels.hybrid_attention(q.cuda(), k, v, modes, 1, 2)
 
 
 @SETTINGS
@@ -224,8 +225,8 @@ def test_sdpa_fast_path_equals_reference_for_uniform_modes(S, G, mode, sink, win
     q, k, v, _, _ = random_case(2, 2, G, S, 16, 16, seed)
     q, k, v = q.float(), k.float(), v.float()
     modes = torch.full((2, 2), mode)
-    fast = K.hybrid_attention(q, k, v, modes, sink, window, backend="sdpa")
-    ref = K.hybrid_attention(q.double(), k.double(), v.double(), modes, sink, window, backend="reference")
+    fast = kernels.hybrid_attention(q, k, v, modes, sink, window, backend="sdpa")
+    ref = kernels.hybrid_attention(q.double(), k.double(), v.double(), modes, sink, window, backend="reference")
     err = (fast.double() - ref).abs()
     assert err.max() < 1e-5, f"max {err.max():.2e} mean {err.mean():.2e}"
 
@@ -237,12 +238,12 @@ def test_sdpa_fast_path_equals_reference_for_block_sparse(S, G, bs, p, seed):
     """All heads BLOCK_SPARSE with a random block mask whose diagonal is on (as XAttention's is)."""
     q, k, v, _, _ = random_case(2, 2, G, S, 16, 16, seed)
     q, k, v = q.float(), k.float(), v.float()
-    nB = K.num_blocks(S, bs)
+    nB = masks.num_blocks(S, bs)
     gen = torch.Generator().manual_seed(seed)
     block_mask = (torch.rand(2, 2, nB, nB, generator=gen) < p) | torch.eye(nB, dtype=torch.bool)
     modes = torch.full((2, 2), BLOCK_SPARSE)
-    fast = K.hybrid_attention(q, k, v, modes, 1, 2, block_mask, bs, backend="sdpa")
-    ref = K.hybrid_attention(q.double(), k.double(), v.double(), modes, 1, 2, block_mask, bs, backend="reference")
+    fast = kernels.hybrid_attention(q, k, v, modes, 1, 2, block_mask, bs, backend="sdpa")
+    ref = kernels.hybrid_attention(q.double(), k.double(), v.double(), modes, 1, 2, block_mask, bs, backend="reference")
     err = (fast.double() - ref).abs()
     assert err.max() < 1e-5, f"max {err.max():.2e} mean {err.mean():.2e}"
 
@@ -250,21 +251,21 @@ def test_sdpa_fast_path_equals_reference_for_block_sparse(S, G, bs, p, seed):
 def test_sdpa_fast_path_rejects_mixed_modes_and_empty_block_rows():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="one mode for all heads"):
-        K.hybrid_attention(q, k, v, torch.tensor([[0, 1]]), 1, 2, backend="sdpa")
+        kernels.hybrid_attention(q, k, v, torch.tensor([[0, 1]]), 1, 2, backend="sdpa")
     S = q.shape[2]
-    nB = K.num_blocks(S, 4)
+    nB = masks.num_blocks(S, 4)
     block_mask = torch.ones(1, k.shape[1], nB, nB, dtype=torch.bool)
     block_mask[0, 0, 1, 1] = False  # rejected, conservatively: rows 4-7 would still see block 0
     modes = torch.full((1, k.shape[1]), BLOCK_SPARSE)
     with pytest.raises(ValueError, match="diagonal"):
-        K.hybrid_attention(q, k, v, modes, 1, 2, block_mask, 4, backend="sdpa")
+        kernels.hybrid_attention(q, k, v, modes, 1, 2, block_mask, 4, backend="sdpa")
 
 
 def test_predicates_compose_with_and_or():
     """The combinators at scalar level: streaming = causal ∧ (sink ∨ window)."""
-    pred = K.streaming(sink=2, window=3)
+    pred = masks.streaming(sink=2, window=3)
     assert pred(0, 0, 10, 1) and pred(0, 0, 10, 8) and pred(0, 0, 10, 10)   # sink, window, self
     assert not pred(0, 0, 10, 5) and not pred(0, 0, 10, 11)                  # middle, future
-    never = K.and_masks(K.causal, lambda b, h, q, kv: False)
-    always = K.or_masks(K.causal, lambda b, h, q, kv: True)
+    never = masks.and_masks(masks.causal, lambda b, h, q, kv: False)
+    always = masks.or_masks(masks.causal, lambda b, h, q, kv: True)
     assert not never(0, 0, 5, 0) and always(0, 0, 0, 5)

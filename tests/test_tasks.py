@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import kernels
+import masks
 import tasks as T
 
 EXPECTED_ANSWERS = {  # answer tokens per sample, per task
@@ -40,11 +40,11 @@ def prediction_positions(targets_row):
 def streaming_row(t, seq_len, sink, window):
     """(S,) bool: which keys a streaming head at query position t sees (the project's predicate)."""
     j = torch.arange(seq_len)
-    return kernels.streaming(sink, window)(None, None, t, j)
+    return masks.streaming(sink, window)(None, None, t, j)
 
 
 def causal_row(t, seq_len):
-    return kernels.causal(None, None, t, torch.arange(seq_len))
+    return masks.causal(None, None, t, torch.arange(seq_len))
 
 # -----------------------------------------------------------------------------
 # Layout: the LM shift, the boundaries the router pools, the vocabulary ranges.

@@ -12,15 +12,17 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import kernels as K
-from kernels import BLOCK_SPARSE, FULL, STREAMING
+import kernels
+import masks
+import xattention
+from masks import BLOCK_SPARSE, FULL, STREAMING
 
 SETTINGS = settings(max_examples=25, deadline=None)
 SLOW = settings(max_examples=8, deadline=None)   # each example runs the Triton interpreter
 
 # Triton runs on CUDA, or on CPU under the interpreter (conftest.py switches it on without a GPU).
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HAS_TRITON_RUN = K._HAS_TRITON and (torch.cuda.is_available()
+HAS_TRITON_RUN = xattention._HAS_TRITON and (torch.cuda.is_available()
                                     or os.environ.get("TRITON_INTERPRET", "0") == "1")
 needs_triton = pytest.mark.skipif(not HAS_TRITON_RUN, reason="needs triton on CUDA or TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 and real shapes)")
@@ -32,7 +34,7 @@ def loop_scores(q, k, block_size, stride):
     the max over the query heads of each KV head."""
     B, Hq, S, D = q.shape
     Hkv, T = k.shape[1], stride
-    G, nB = Hq // Hkv, K.num_blocks(S, block_size)
+    G, nB = Hq // Hkv, masks.num_blocks(S, block_size)
     nG, g = nB * block_size // T, block_size // T
     out = torch.zeros(B, Hq, nB, nB, dtype=torch.float64)
     for b in range(B):
@@ -91,14 +93,14 @@ def forced_blocks(nB):
 def test_naive_scores_match_definition(B, Hkv, G, S, D, block_size, stride):
     q, k = random_qk(B, Hkv, G, S, D, seed=S, dtype=torch.float64)
     want = loop_scores(q, k, block_size, stride)
-    assert_close(K.xattention_scores_naive(q, k, block_size, stride), want, 1e-10, 1e-10, "naive vs loops")
+    assert_close(xattention.xattention_scores_naive(q, k, block_size, stride), want, 1e-10, 1e-10, "naive vs loops")
 
 
 def test_gqa_combines_query_heads_by_max():
     """A KV head's scores are the elementwise max of its query heads' own scores."""
     q, k = random_qk(1, 2, 4, 40, 8, seed=0, dtype=torch.float64)
-    combined = K.xattention_scores_naive(q, k, 8, 4)                             # (1, 2, 5, 5)
-    per_head = K.xattention_scores_naive(q, k.repeat_interleave(4, dim=1), 8, 4)  # (1, 8, 5, 5)
+    combined = xattention.xattention_scores_naive(q, k, 8, 4)                             # (1, 2, 5, 5)
+    per_head = xattention.xattention_scores_naive(q, k.repeat_interleave(4, dim=1), 8, 4)  # (1, 8, 5, 5)
     assert_close(combined, per_head.view(1, 2, 4, 5, 5).amax(2), 0, 0, "GQA max")
 
 
@@ -127,8 +129,8 @@ TRITON_CASES = [
 def test_triton_scores_match_naive(case, dtype):
     B, Hkv, G, S, D, block_size, stride = case
     q, k = random_qk(B, Hkv, G, S, D, seed=S + D, dtype=dtype, device=TRITON_DEVICE)
-    got = K.xattention_scores(q, k, block_size, stride, backend="triton")
-    want = K.xattention_scores_naive(q, k, block_size, stride)
+    got = xattention.xattention_scores(q, k, block_size, stride, backend="triton")
+    want = xattention.xattention_scores_naive(q, k, block_size, stride)
     assert got.dtype == torch.float32
     assert_close(got, want, what=f"{case} {dtype}", **triton_tol(dtype, TRITON_DEVICE))
 
@@ -141,8 +143,8 @@ def test_triton_scores_match_naive(case, dtype):
 def test_triton_scores_match_naive_drawn(B, Hkv, G, S, D, block_stride, seed):
     block_size, stride = block_stride
     q, k = random_qk(B, Hkv, G, S, D, seed, dtype=torch.float32, device=TRITON_DEVICE)
-    got = K.xattention_scores(q, k, block_size, stride, backend="triton")
-    want = K.xattention_scores_naive(q, k, block_size, stride)
+    got = xattention.xattention_scores(q, k, block_size, stride, backend="triton")
+    want = xattention.xattention_scores_naive(q, k, block_size, stride)
     assert_close(got, want, what="drawn", **triton_tol(torch.float32, TRITON_DEVICE))
 
 
@@ -152,8 +154,8 @@ def test_triton_scores_narrow_tiles(BLOCK_N):
     """Narrow tiles: each program walks several score tiles (BLOCK_N key groups) and reads its
     scratch back in several steps (BLOCK_N key blocks each; 38 blocks here), G = 3."""
     q, k = random_qk(1, 1, 3, 300, 16, seed=7, device=TRITON_DEVICE)
-    got = K.xattention_scores(q, k, 8, 4, backend="triton", BLOCK_N=BLOCK_N)
-    want = K.xattention_scores_naive(q, k, 8, 4)
+    got = xattention.xattention_scores(q, k, 8, 4, backend="triton", BLOCK_N=BLOCK_N)
+    want = xattention.xattention_scores_naive(q, k, 8, 4)
     assert_close(got, want, what=f"BLOCK_N={BLOCK_N}", **triton_tol(torch.float32, TRITON_DEVICE))
 
 
@@ -165,8 +167,8 @@ def test_triton_scores_sharp_logits():
     # fp16 inputs: exact products on a GPU and in the interpreter alike. fp32 inputs would go through
     # TF32 on a GPU, whose 10-bit mantissa (not the kernel) is the error at logits in the hundreds.
     q, k = (q * 300).half(), k.half()
-    got = K.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_N=16)
-    want = K.xattention_scores_naive(q, k, 16, 4)
+    got = xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_N=16)
+    want = xattention.xattention_scores_naive(q, k, 16, 4)
     assert torch.isfinite(got).all()
     assert_close(got, want, what="sharp", atol=1e-4, rtol=1e-4)
 
@@ -180,8 +182,8 @@ def test_triton_scores_sharp_logits():
 ])
 def test_triton_scores_match_naive_gpu(B, Hkv, G, S, D, block_size, stride, dtype):
     q, k = random_qk(B, Hkv, G, S, D, seed=S, dtype=dtype, device="cuda")
-    got = K.xattention_scores(q, k, block_size, stride)  # auto: Triton on CUDA
-    want = K.xattention_scores_naive(q, k, block_size, stride)
+    got = xattention.xattention_scores(q, k, block_size, stride)  # auto: Triton on CUDA
+    want = xattention.xattention_scores_naive(q, k, block_size, stride)
     assert_close(got, want, what=f"gpu {dtype}", **triton_tol(dtype, "cuda"))
 
 
@@ -190,8 +192,8 @@ def test_block_mask_triton_matches_reference_gpu():
     """Same scores up to rounding → the same blocks, except for near-ties at the threshold."""
     q, k = random_qk(1, 4, 2, 4096, 128, seed=1, dtype=torch.bfloat16, device="cuda")
     q = q + 2 * q[:, :, :1]  # some structure: every query leans one way
-    got = K.xattention_block_mask(q, k, 64, 16, 0.9, backend="triton")
-    want = K.xattention_block_mask(q, k, 64, 16, 0.9, backend="reference")
+    got = xattention.xattention_block_mask(q, k, 64, 16, 0.9, backend="triton")
+    want = xattention.xattention_block_mask(q, k, 64, 16, 0.9, backend="reference")
     assert (got == want).float().mean().item() > 0.999
 
 # -----------------------------------------------------------------------------
@@ -232,7 +234,7 @@ def test_select_properties(nB, threshold, seed, spiky):
     if spiky:  # a few heavy blocks among light ones, like real attention
         scores = scores ** 8
     scores = scores * causal_blocks(nB)
-    mask = K.xattention_select(scores, threshold)
+    mask = xattention.xattention_select(scores, threshold)
     check_selection(scores, mask, threshold)
 
 
@@ -243,22 +245,22 @@ def test_block_mask_properties(S, G, threshold, block_stride, seed):
     block_size, stride = block_stride
     q, k = random_qk(1, 2, G, S, 8, seed)
     q = q * 3  # sharper attention than unit-variance noise gives
-    mask = K.xattention_block_mask(q, k, block_size, stride, threshold, backend="reference")
-    nB = K.num_blocks(S, block_size)
+    mask = xattention.xattention_block_mask(q, k, block_size, stride, threshold, backend="reference")
+    nB = masks.num_blocks(S, block_size)
     assert mask.shape == (1, 2, nB, nB)
-    check_selection(K.xattention_scores_naive(q, k, block_size, stride), mask, threshold)
+    check_selection(xattention.xattention_scores_naive(q, k, block_size, stride), mask, threshold)
 
 
 def test_threshold_one_keeps_every_causal_block():
     q, k = random_qk(2, 2, 2, 150, 16, seed=3)
-    for scores_mask in (K.xattention_block_mask(q, k, 16, 4, 1.0),
-                        K.xattention_select(K.xattention_scores_naive(q, k, 16, 4), 1.0)):
+    for scores_mask in (xattention.xattention_block_mask(q, k, 16, 4, 1.0),
+                        xattention.xattention_select(xattention.xattention_scores_naive(q, k, 16, 4), 1.0)):
         assert torch.equal(scores_mask, causal_blocks(10).expand(2, 2, 10, 10))
 
 
 def test_tiny_threshold_keeps_only_sink_and_diagonal():
     q, k = random_qk(2, 2, 2, 150, 16, seed=4)
-    mask = K.xattention_block_mask(q, k, 16, 4, 1e-6)
+    mask = xattention.xattention_block_mask(q, k, 16, 4, 1e-6)
     assert torch.equal(mask, forced_blocks(10).expand(2, 2, 10, 10))
 
 
@@ -271,7 +273,7 @@ def test_a_planted_block_is_found():
     q = 0.3 * q + 2.0 * u                       # every query leans towards u
     k = 0.3 * k
     k[:, :, 5 * 16:6 * 16] += 8.0 * u           # block 5's keys are u, strongly
-    mask = K.xattention_block_mask(q, k, 16, 4, 0.5)[0, 0]   # (16, 16)
+    mask = xattention.xattention_block_mask(q, k, 16, 4, 0.5)[0, 0]   # (16, 16)
     optional = mask & ~forced_blocks(16)
     assert optional[6:, 5].all()
     assert optional[6:].sum() == 10             # block 5 in rows 6..15, nothing else
@@ -282,12 +284,12 @@ def test_short_sequences_are_full(S):
     """nB <= 2 leaves nothing to choose (sink and diagonal are all the causal blocks): FULL. That
     covers S shorter than one stride (one partial block)."""
     q, k = random_qk(1, 2, 1, S, 8, seed=S)
-    mask = K.xattention_block_mask(q, k, 16, 16, 0.5)
-    nB = K.num_blocks(S, 16)
+    mask = xattention.xattention_block_mask(q, k, 16, 16, 0.5)
+    nB = masks.num_blocks(S, 16)
     assert torch.equal(mask, causal_blocks(nB).expand(1, 2, nB, nB))
     modes = torch.full((1, 2), BLOCK_SPARSE)
-    full = K.hybrid_mask(S, torch.full((1, 2), FULL), 0, 1)
-    assert torch.equal(K.hybrid_mask(S, modes, 0, 1, block_mask=mask, block_size=16), full)
+    full = masks.hybrid_mask(S, torch.full((1, 2), FULL), 0, 1)
+    assert torch.equal(masks.hybrid_mask(S, modes, 0, 1, block_mask=mask, block_size=16), full)
 
 # -----------------------------------------------------------------------------
 # The mask in use.
@@ -297,17 +299,17 @@ def test_block_mask_drives_hybrid_attention():
     B, Hkv, G, S, D, bs = 2, 3, 2, 100, 16, 16
     q, k = random_qk(B, Hkv, G, S, D, seed=6)
     v = torch.randn(B, Hkv, S, D, generator=torch.Generator().manual_seed(7))
-    block_mask = K.xattention_block_mask(q, k, bs, 4, 0.8)          # (B, Hkv, nB, nB)
+    block_mask = xattention.xattention_block_mask(q, k, bs, 4, 0.8)          # (B, Hkv, nB, nB)
     modes = torch.tensor([[BLOCK_SPARSE, FULL, STREAMING], [BLOCK_SPARSE] * 3])
-    mask = K.hybrid_mask(S, modes, 4, 16, block_mask=block_mask, block_size=bs)
-    out = K.naive_attention(q, k, v, mask)
+    mask = masks.hybrid_mask(S, modes, 4, 16, block_mask=block_mask, block_size=bs)
+    out = masks.naive_attention(q, k, v, mask)
     assert out.shape == (B, Hkv * G, S, D) and torch.isfinite(out).all()
-    assert K.omega_esr(mask)[1] > 0   # the all-XA sample prunes something
+    assert masks.omega_esr(mask)[1] > 0   # the all-XA sample prunes something
     # threshold 1.0 keeps every causal block: block-sparse attention is then exactly FULL
-    all_on = K.xattention_block_mask(q, k, bs, 4, 1.0)
-    sparse = K.hybrid_attention(q, k, v, torch.full((B, Hkv), BLOCK_SPARSE), 4, 16,
+    all_on = xattention.xattention_block_mask(q, k, bs, 4, 1.0)
+    sparse = kernels.hybrid_attention(q, k, v, torch.full((B, Hkv), BLOCK_SPARSE), 4, 16,
                                 block_mask=all_on, block_size=bs, backend="reference")
-    dense = K.hybrid_attention(q, k, v, torch.full((B, Hkv), FULL), 4, 16, backend="reference")
+    dense = kernels.hybrid_attention(q, k, v, torch.full((B, Hkv), FULL), 4, 16, backend="reference")
     assert_close(sparse, dense, 0, 0, "threshold 1 vs FULL")
 
 # -----------------------------------------------------------------------------
@@ -338,21 +340,21 @@ def test_bad_input(change, match):
                 threshold=0.9, backend="auto")
     args.update(change)
     with pytest.raises(ValueError, match=match):
-        K.xattention_block_mask(**args)
+        xattention.xattention_block_mask(**args)
 
 
 def test_bad_input_scores_and_select():
     q, k = random_qk(1, 1, 1, 40, 8, seed=0)
     with pytest.raises(ValueError, match="stride"):
-        K.xattention_scores(q, k, 16, 3)
+        xattention.xattention_scores(q, k, 16, 3)
     with pytest.raises(ValueError, match="stride"):
-        K.xattention_scores_naive(q, k, 16, 5)
+        xattention.xattention_scores_naive(q, k, 16, 5)
     with pytest.raises(ValueError, match="float64"):
-        K.xattention_scores(q.double(), k.double(), 16, 4, backend="triton")
+        xattention.xattention_scores(q.double(), k.double(), 16, 4, backend="triton")
     for bad in (8, 48, 16.0):   # tl.dot needs >= 16; a power of two; an int
         with pytest.raises(ValueError, match="BLOCK_N"):
-            K.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_N=bad)
+            xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_N=bad)
     with pytest.raises(ValueError, match="block_scores"):
-        K.xattention_select(torch.rand(1, 1, 3, 4), 0.9)
+        xattention.xattention_select(torch.rand(1, 1, 3, 4), 0.9)
     with pytest.raises(ValueError, match="threshold"):
-        K.xattention_select(torch.rand(1, 1, 3, 3), 2.0)
+        xattention.xattention_select(torch.rand(1, 1, 3, 3), 2.0)
