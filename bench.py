@@ -1,4 +1,4 @@
-"""bench.py — the fused hybrid-attention kernel against torch's attention, on one GPU (issue 5).
+"""bench.py — the fused hybrid-attention kernel against torch's attention, on one GPU.
 
 Causal prefill at Llama-3.1-8B attention shapes (bf16, B = 1, Hq = 32, Hkv = 8, D = 128), with a
 fraction f of the KV heads STREAMING (sink 128 + window 2048) and the rest FULL, plus one setting
@@ -68,7 +68,7 @@ parser.add_argument("--rep", type=int, default=100, help="do_bench repetition ti
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--out", type=str, default="runs/bench")
 parser.add_argument("--replot", type=str, default=None, help="redraw PNG and table from a bench.json, run nothing")
-parser.add_argument("--xa", action="store_true", help="also time FA-XA: XAttention selection + attention (issue 6)")
+parser.add_argument("--xa", action="store_true", help="also time FA-XA: XAttention selection + attention")
 parser.add_argument("--xa-only", action="store_true", help="only the FA-XA section")
 parser.add_argument("--xa-stride", type=int, default=16 if CUDA else 4, help="XAttention stride (paper 16)")
 parser.add_argument("--xa-threshold", type=float, default=0.9, help="XAttention kept mass (paper 0.9)")
@@ -396,7 +396,7 @@ def main():
         print_xa_table(results["xa"])
 
 # ----------------------------------------------------------------------------------------------
-# FA-XA (issue 6): XAttention picks each sparse head's key blocks from the input, then the fused
+# FA-XA: XAttention picks each sparse head's key blocks from the input, then the fused
 # kernel runs FULL heads dense and XA heads block-sparse. Random q/k give flat attention, where
 # XAttention keeps ~95 % of blocks; real long-context heads are peaked. So q/k here carry a local
 # component (a RoPE-like wave: q_i·k_j peaks at i = j) plus one "retrieval" direction that a few

@@ -1,5 +1,5 @@
 """elastic_attention.py — a small Llama-style model, written from scratch, whose attention heads are
-each FULL or sparse per input (Elastic Attention, PAPER.md §2, §3, §5, §7).
+each FULL or sparse per input (Elastic Attention, METHOD.md §2, §3, §5, §7).
 
     embedding → L × [RMSNorm → attention (GQA, rotate-half RoPE, 1/√D) → residual
                      → RMSNorm → SwiGLU MLP → residual] → RMSNorm → LM head
@@ -13,7 +13,7 @@ and `kernels.hybrid_attention` runs each head in its mode. A layer can run in th
     hybrid        given per-sample per-head kernel modes          modes=(L, B, Hkv) int
     training mix  O = z·O_full + (1 − z)·O_sparse, z ∈ [0, 1]      gates=(L, B, Hkv) or route=gate_fn
 
-z = 1 means FULL (a retrieval head), z = 0 means SPARSE (PAPER.md §5). What "full" and "sparse"
+z = 1 means FULL (a retrieval head), z = 0 means SPARSE (METHOD.md §5). What "full" and "sparse"
 mean is the head configuration, written {retrieval mode}-{sparse mode}: FA-SSA (default: dense vs
 streaming), FA-XA (dense vs XAttention block-sparse), XA-SSA (XAttention vs streaming), XA-XA.
 
@@ -60,14 +60,14 @@ class Config:
     max_seq_len: int = 512         # RoPE table length and the longest accepted input
     tie_embeddings: bool = False   # LM head shares the embedding matrix (Qwen3 small models do)
     qk_norm: bool = False          # Qwen3: RMSNorm over D on q and k before RoPE
-    # Sparse heads (PAPER.md §3). Paper: sink 128, window 2048, block 64 at 8K–64K tokens.
+    # Sparse heads (METHOD.md §3). Paper: sink 128, window 2048, block 64 at 8K–64K tokens.
     sink: int = 4                  # streaming heads always see the first `sink` tokens
     window: int = 32               # ... and the last `window` tokens up to themselves
     block_size: int = 16           # block-sparse (XAttention) granularity
     head_config: str = "FA-SSA"    # see HEAD_CONFIGS
     xa_stride: int = 4             # XAttention antidiagonal stride; must divide block_size (paper 16 @ 64)
     xa_threshold: float = 0.9      # XAttention kept softmax mass per row (paper 0.9)
-    # Router (PAPER.md §4).
+    # Router (METHOD.md §4).
     router_hidden_mult: int = 4    # MLP hidden = 4·D (Table 3: ×2…×8 all within noise)
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
 
@@ -198,7 +198,7 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """x (B, S, C) → q (B, Hq, S, D), k (B, Hkv, S, D) after RoPE, v, and the pre-RoPE keys
-        the router reads (PAPER.md §4: after the key norm if the model has QK-norm)."""
+        the router reads (METHOD.md §4: after the key norm if the model has QK-norm)."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)     # (B, Hq, S, D)
         k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
@@ -242,7 +242,7 @@ class Attention(nn.Module):
                                                        self.cfg.xa_threshold)  # (B, Hkv, nB, nB)
 
         if mix:
-            # Training mix (PAPER.md §5): both outputs, O = z·O_full + (1 − z)·O_sparse. With a hard
+            # Training mix (METHOD.md §5): both outputs, O = z·O_full + (1 − z)·O_sparse. With a hard
             # z the forward is exactly the hybrid model; d O / d z = O_full − O_sparse.
             o_full = self.run(q, k, v, torch.full_like(modes, full_mode), block_mask)      # (B, Hq, S, D)
             o_sparse = self.run(q, k, v, torch.full_like(modes, sparse_mode), block_mask)  # (B, Hq, S, D)
@@ -296,7 +296,7 @@ class Transformer(nn.Module):
             nn.init.normal_(m.weight, std=0.02)  # GPT-2 / Llama initializer_range
 
     def attach_routers(self):
-        """One AttentionRouter per layer (PAPER.md §4); returns them."""
+        """One AttentionRouter per layer (METHOD.md §4); returns them."""
         c = self.cfg
         self.routers = nn.ModuleList(
             router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens) for _ in range(c.n_layers))
@@ -317,7 +317,7 @@ class Transformer(nn.Module):
 
         info: z, modes, log_alpha, block_mask, records (one entry per layer), omega_msr (B,)
         = 1 − mean z over layers and KV heads (carries the gate's gradient), omega_esr (B,)
-        mean over layers and omega_esr_last (B,) for the last layer (PAPER.md §2).
+        mean over layers and omega_esr_last (B,) for the last layer (METHOD.md §2).
         """
         self.check_tokens(idx)
         B, S = idx.shape
@@ -355,7 +355,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def attention_rows(self, idx, positions):
         """Backbone (all heads FULL) attention probabilities of one query per sample:
-        positions (B,) → (L, B, Hq, S). The retrieval score of a head (PAPER.md §8, App. C) is
+        positions (B,) → (L, B, Hq, S). The retrieval score of a head (METHOD.md §8, App. C) is
         their mass on the needle tokens."""
         self.check_tokens(idx)
         B, S = idx.shape
@@ -374,7 +374,7 @@ class Transformer(nn.Module):
         return torch.stack(rows)                                               # (L, B, Hq, S)
 
     # -------------------------------------------------------------------------
-    # Generation: prefill decides every head's mode once; decoding reuses it (PAPER.md §7).
+    # Generation: prefill decides every head's mode once; decoding reuses it (METHOD.md §7).
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, modes=None, route=None, block_masks=None):

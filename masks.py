@@ -166,7 +166,7 @@ def hybrid_mask(seq_len, modes, sink, window, block_mask=None, block_size=64, q_
 
 
 def omega_esr(mask):
-    """Effective sparsity Ω_ESR (PAPER.md §2): per sample, the fraction of causal (query, key) pairs
+    """Effective sparsity Ω_ESR (METHOD.md §2): per sample, the fraction of causal (query, key) pairs
     a head prunes, averaged over heads. mask (B, Hkv, S, S) → (B,); a list of per-layer masks →
     the mean over layers (B,)."""
     if isinstance(mask, (list, tuple)):

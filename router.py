@@ -1,4 +1,4 @@
-"""router.py — the Attention Router: which KV heads stay full, per input (PAPER.md §4–§6).
+"""router.py — the Attention Router: which KV heads stay full, per input (METHOD.md §4–§6).
 
 Read top to bottom, this file follows the paper's Section 3 and Appendix F:
 
@@ -114,7 +114,7 @@ def deterministic_gate(log_alpha):
 #     softmax([log α + g1, g0] / τ)[FULL] = σ((log α + g1 − g0) / τ),
 # and g1 − g0 is exactly standard logistic. So the two-logit Gumbel-softmax IS a sigmoid with
 # logistic noise, and P(hard = FULL) = P(g1 − g0 > −log α) = σ(log α) for every τ.
-# (Pitfall in the authors' sigmoid variant, PAPER.md §5: a single Gumbel g1 inside the sigmoid
+# (Pitfall in the authors' sigmoid variant, METHOD.md §5: a single Gumbel g1 inside the sigmoid
 # gives P(hard = 1) = 1 − exp(−e^{log α}), 0.632 at log α = 0, a built-in bias towards FULL.)
 
 def gumbel_softmax_gate(logit, tau, u=None, generator=None):
@@ -246,7 +246,7 @@ class AttentionRouter(nn.Module):
         return log_alpha.float()
 
 # -----------------------------------------------------------------------------
-# 3. The objective: model sparsity Ω_MSR and the per-task Lagrangian (PAPER.md §6).
+# 3. The objective: model sparsity Ω_MSR and the per-task Lagrangian (METHOD.md §6).
 
 SENSITIVE_TARGET = 0.7   # QA / retrieval: accuracy collapses past ~0.7 sparse heads (paper; authors' script 0.6)
 ROBUST_TARGET = 1.0      # summarisation, code, ICL: let the model go as sparse as it likes

@@ -1,6 +1,6 @@
 """tasks.py — the synthetic task suite: token-level tasks that need far tokens, and tasks that don't.
 
-The paper (PAPER.md §1, §8) sorts real tasks into two regimes: *sparsity-sensitive* ones (QA,
+The paper (METHOD.md §1, §8) sorts real tasks into two regimes: *sparsity-sensitive* ones (QA,
 needle retrieval) collapse when heads lose the distant context, *sparsity-robust* ones
 (summarisation, code, in-context learning) barely notice. Here each regime gets small synthetic
 stand-ins, generated on the fly from a seed, that make the difference exact: a sensitive task's
@@ -348,7 +348,7 @@ def per_task_mean(values, task_ids):
 
 
 def retrieval_scores(rows, needle_pos, n_kv_heads):
-    """The retrieval score of every head (PAPER.md §8, App. C, after Wu et al. 2024): attention
+    """The retrieval score of every head (METHOD.md §8, App. C, after Wu et al. 2024): attention
     mass from the query position onto the needle tokens, averaged over prompts.
 
     rows (L, B, Hq, S): each head's attention probabilities at the query position (from

@@ -1,5 +1,5 @@
 """train_router.py — the experiment: train Attention Routers on a frozen backbone and see whether
-the model becomes sparse where it can and keeps its retrieval heads where it must (PAPER.md §1,
+the model becomes sparse where it can and keeps its retrieval heads where it must (METHOD.md §1,
 §6, §8), with no task id at inference.
 
     python train_router.py                  # tiny preset, CPU: a few minutes with the shipped backbone
@@ -208,7 +208,7 @@ else:
 print(f"backbone: {backbone_source}")
 
 # -----------------------------------------------------------------------------
-# 2. Router: frozen backbone, routers + λ, hard decisions in the forward pass (PAPER.md §5, §6).
+# 2. Router: frozen backbone, routers + λ, hard decisions in the forward pass (METHOD.md §5, §6).
 
 model.attach_routers()
 router_params = R.freeze_backbone(model)

@@ -1,4 +1,4 @@
-"""The fused Triton kernel (issue 5) against the float64 naive reference.
+"""The fused Triton kernel against the float64 naive reference.
 
 On a machine without CUDA the kernel runs under Triton's CPU interpreter (conftest.py sets
 TRITON_INTERPRET=1) in float32/float16 with small tiles; on a GPU the same tests run with the real

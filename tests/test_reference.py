@@ -1,7 +1,7 @@
 """The ground truth itself: mask predicates, hybrid_mask, the naive reference, Ω_ESR, bad input.
 
 Everything else in the project is tested against these, so they are tested against the most
-literal code we can write: Python loops over (i, j) straight from the definitions in PAPER.md §3.
+literal code we can write: Python loops over (i, j) straight from the definitions in METHOD.md §3.
 """
 import math
 

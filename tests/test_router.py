@@ -41,7 +41,7 @@ def test_sample_in_unit_interval_finite_and_monotone(rows):
 
 def test_closed_forms_match_paper_numbers():
     zero = torch.tensor(0.0)
-    # PAPER.md §5: at log α = 0 both ends have probability ≈ 0.168, and P(FULL) = ½.
+    # METHOD.md §5: at log α = 0 both ends have probability ≈ 0.168, and P(FULL) = ½.
     assert abs(prob_zero(zero).item() - 0.168) < 1e-3, prob_zero(zero).item()
     assert abs(prob_one(zero).item() - 0.168) < 1e-3, prob_one(zero).item()
     assert prob_full(zero).item() == 0.5

@@ -1,4 +1,4 @@
-"""XAttention block selection (PAPER.md §3 XA, issue 6): scoring and picking.
+"""XAttention block selection (METHOD.md §3 XA): scoring and picking.
 
 The naive scoring twin is tested against Python loops written straight from the definition; the
 Triton kernel against the naive twin (CPU: the interpreter, fp32/fp16; CUDA: also bf16); the
@@ -29,7 +29,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def loop_scores(q, k, block_size, stride):
-    """Block scores one number at a time, float64, from PAPER.md §3: antidiagonal sums, causal
+    """Block scores one number at a time, float64, from METHOD.md §3: antidiagonal sums, causal
     softmax over key groups, sums over each tile's groups; all-padding query groups skipped; then
     the max over the query heads of each KV head."""
     B, Hq, S, D = q.shape
