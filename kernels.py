@@ -1,5 +1,5 @@
 """kernels.py — hybrid attention: every (sample, KV head) in its own mode (FULL, STREAMING or
-BLOCK_SPARSE, see masks.py), as one fused Triton kernel beside its naive twin (paper §3.3).
+BLOCK_SPARSE, see masks.py), as one fused Triton kernel beside its naive twin (METHOD.md §3, §7).
 
 Shape letters as in masks.py, plus BLOCK_M / BLOCK_N kernel tile sizes.
 """

@@ -1,7 +1,7 @@
 """masks.py — what each attention head may see: modes, mask predicates, the dense ground-truth
 mask, the effective sparsity Ω_ESR, and plain O(S²) attention under a mask.
 
-Elastic Attention gives every (sample, KV head) its own *mode* (paper §3.1–3.2):
+Elastic Attention gives every (sample, KV head) its own *mode* (METHOD.md §3):
 
     FULL          causal attention over every earlier token          (retrieval head, z = 1)
     STREAMING     the first `sink` tokens + the last `window` tokens  (StreamingLLM, z = 0)

@@ -1,5 +1,5 @@
 """xattention.py — XAttention block selection (Xu et al. 2025): which key blocks a BLOCK_SPARSE
-head attends to, decided per input from the queries and keys themselves (paper §3.2, XA).
+head attends to, decided per input from the queries and keys themselves (METHOD.md §3, XA).
 
 Two steps, so a benchmark can time them apart:
   1. scoring  cheap estimate of the softmax mass in every (query block, key block) tile:
