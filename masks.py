@@ -25,7 +25,6 @@ import torch
 FULL = 0
 STREAMING = 1
 BLOCK_SPARSE = 2
-MODE_NAMES = {FULL: "full", STREAMING: "streaming", BLOCK_SPARSE: "block_sparse"}
 
 # -----------------------------------------------------------------------------
 # Mask predicates (b, h, q_idx, kv_idx) -> bool. They take broadcastable index tensors, so one
@@ -95,6 +94,20 @@ def check_modes(modes, B, Hkv, device=None):
         raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad.unique().tolist()}")
     if device is not None and modes.device != device:
         raise ValueError(f"modes is on {modes.device} but q is on {device}")
+
+
+def check_lengths(lengths, B, S):
+    """lengths (B,) integer tensor: sample b's real tokens are positions 0 .. lengths[b] − 1, the
+    rest is right padding. Each length in [1, S]. None (all S real) passes through."""
+    if lengths is None:
+        return None
+    if (not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point
+            or lengths.dtype == torch.bool or tuple(lengths.shape) != (B,)):
+        raise ValueError(f"lengths must be an integer tensor of shape (B,) = ({B},), got {lengths!r}")
+    bad = (lengths < 1) | (lengths > S)
+    if bad.any():    # one host sync; cheap next to attention
+        raise ValueError(f"lengths must be in [1, S={S}], got {lengths[bad].tolist()}")
+    return lengths
 
 
 def num_blocks(seq_len, block_size):
@@ -179,33 +192,48 @@ def omega_esr(mask):
     return 1.0 - (kept.double() / causal_pairs).mean(-1)              # (B,)
 
 
-def kept_pairs(seq_len, modes, sink, window, block_mask=None, block_size=64):
-    """(B, Hkv) causal (query, key) pairs each head keeps, counted in O(S) without an S×S mask.
+def kept_pairs(seq_len, modes, sink, window, block_mask=None, block_size=64, lengths=None):
+    """(B, Hkv) causal (query, key) pairs each head keeps, counted in O(B·S) without an S×S mask.
     Must equal hybrid_mask(...).sum((-2, -1)) (tests hold it to that); the model uses it for
-    Ω_ESR at long S, where the mask itself would not fit."""
+    Ω_ESR at long S, where the mask itself would not fit.
+
+    lengths (B,) (optional, see check_lengths): count only sample b's real tokens, queries and
+    keys < lengths[b]: hybrid_mask(...)[b, :, :L, :L].sum(). Causality makes a real query see
+    only real keys, so it is enough to drop the padded query rows."""
     B, Hkv = modes.shape
-    i = torch.arange(seq_len, device=modes.device, dtype=torch.float64)  # query positions
-    full = (i + 1).sum()
+    check_lengths(lengths, B, seq_len)
+    device = modes.device
+    i = torch.arange(seq_len, device=device, dtype=torch.float64)           # query positions
+    n = torch.full((B,), seq_len, device=device) if lengths is None else lengths.to(device)
+    real = (i.view(1, -1) < n.view(B, 1)).double()                           # (B, S) 1 = real query
+    full = real @ (i + 1)                                                    # (B,)
     # Streaming row i keeps its window [max(0, i-window+1), i] plus the sink keys left of it.
-    stream = (torch.clamp(i + 1, max=window) + torch.clamp(i - window + 1, min=0).clamp(max=sink)).sum()
-    kept = torch.where(modes == FULL, full, stream).to(torch.float64)  # (B, Hkv)
+    stream = real @ (torch.clamp(i + 1, max=window) + torch.clamp(i - window + 1, min=0).clamp(max=sink))  # (B,)
+    kept = torch.where(modes == FULL, full.view(B, 1), stream.view(B, 1))   # (B, Hkv) float64
     if block_mask is not None:
         nB = num_blocks(seq_len, block_size)
-        rows = torch.bincount((i // block_size).long(), minlength=nB).double()  # queries per block
-        diag = torch.zeros(nB, dtype=torch.float64, device=modes.device)
-        diag.index_add_(0, (i // block_size).long(), i - (i // block_size) * block_size + 1)
-        qb = torch.arange(nB, device=modes.device)
+        blk = (i // block_size).long()                                       # (S,) query block of row i
+        rows = torch.zeros(B, nB, dtype=torch.float64, device=device).index_add_(1, blk, real)  # real queries per block
+        diag = torch.zeros(B, nB, dtype=torch.float64, device=device).index_add_(
+            1, blk, real * (i - blk * block_size + 1))                       # (B, nB) causal triangle, real rows
+        qb = torch.arange(nB, device=device)
         below = qb.view(nB, 1) > qb.view(1, nB)                   # key block strictly left of the diagonal
-        off = (block_mask & below).sum(-1).double() * rows * block_size  # (B, Hkv, nB): whole blocks
-        on_diag = block_mask.diagonal(dim1=-2, dim2=-1).double() * diag  # (B, Hkv, nB): causal triangle
+        off = (block_mask & below).sum(-1).double() * rows.view(B, 1, nB) * block_size  # (B, Hkv, nB)
+        on_diag = block_mask.diagonal(dim1=-2, dim2=-1).double() * diag.view(B, 1, nB)  # (B, Hkv, nB)
         kept = torch.where(modes == BLOCK_SPARSE, (off + on_diag).sum(-1), kept)
     return kept
 
 
-def omega_esr_closed_form(seq_len, modes, sink, window, block_mask=None, block_size=64):
-    """Ω_ESR (B,) like omega_esr(hybrid_mask(...)), from kept_pairs instead of the mask."""
-    kept = kept_pairs(seq_len, modes, sink, window, block_mask, block_size)
-    return 1.0 - (kept / (seq_len * (seq_len + 1) / 2)).mean(-1)
+def omega_esr_closed_form(seq_len, modes, sink, window, block_mask=None, block_size=64, lengths=None):
+    """Ω_ESR (B,) like omega_esr(hybrid_mask(...)), from kept_pairs instead of the mask. With
+    lengths (B,), sample b's Ω_ESR over its lengths[b] real tokens only: padding neither adds
+    pruned pairs nor kept ones."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"Ω_ESR needs seq_len >= 1 (a fraction of no pairs is undefined), got {seq_len!r}")
+    kept = kept_pairs(seq_len, modes, sink, window, block_mask, block_size, lengths)   # (B, Hkv)
+    n = torch.full((modes.shape[0],), float(seq_len), dtype=torch.float64, device=modes.device) \
+        if lengths is None else lengths.to(modes.device, torch.float64)             # (B,) real tokens
+    return 1.0 - (kept / (n * (n + 1) / 2).view(-1, 1)).mean(-1)
 
 # -----------------------------------------------------------------------------
 # The naive reference: plain O(S²) attention under a boolean mask.

@@ -7,8 +7,7 @@ Read top to bottom, this file follows the paper's Section 3 and Appendix F:
                       Gumbel-sigmoid with its temperature schedules as the alternative)
     2. the router     boundary-pooled pre-RoPE keys -> task MLP -> router MLP -> log α  (§4)
     3. the objective  Ω_MSR and the per-task Lagrangian λ1·(Ω − t) + λ2·(Ω − t)²    (§6)
-    4. training       freeze the backbone, AdamW with a maximising λ group, cosine schedule,
-                      routing statistics for the log line
+    4. training       freeze the backbone, AdamW with a maximising λ group, cosine schedule
 
 Convention (tested): z = 1 means FULL attention (a retrieval head), z = 0 means SPARSE.
 A model's training step mixes O = z·O_full + (1 − z)·O_sparse per KV head; at inference
@@ -22,6 +21,8 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from masks import check_lengths
 
 # -----------------------------------------------------------------------------
 # 1. The hard-concrete gate (Louizos, Welling, Kingma 2018), as pure functions of log α.
@@ -37,6 +38,14 @@ EPS = 1e-6      # u lives in [ε, 1 − ε] so log u and log(1 − u) stay finit
 
 # β·log(ζ / −γ) = (2/3)·log 11 ≈ 1.5986: how far log α must move to make an end point likely.
 _SHIFT = BETA * math.log(ZETA / -GAMMA)
+
+
+def _check_log_alpha(log_alpha):
+    """A NaN router logit is a broken router, not a decision: NaN > 0 is False, so a gate would
+    silently call the head SPARSE. ±inf is a decision and passes. One host sync per call."""
+    if torch.isnan(log_alpha).any():
+        raise ValueError(f"log α has {int(torch.isnan(log_alpha).sum())} NaN entries of "
+                         f"{log_alpha.numel()}: the router's output is not a number")
 
 
 def _logistic_noise(shape, like, u=None, generator=None):
@@ -96,6 +105,7 @@ def hard_concrete_gate(log_alpha, u=None, generator=None):
     1 − 2⁻²⁴ for about a fifth of draws in float32.) Where z̃ is clamped (s̄ <= 0 or s̄ >= 1, about a
     third of draws at log α = 0) the gradient is zero for that draw — the price of point masses.
     """
+    _check_log_alpha(log_alpha)
     z_soft = hard_concrete_sample(log_alpha, u, generator)
     z_hard = (z_soft > 0.5).float()
     return z_hard + (z_soft - z_soft.detach())  # parenthesised: exactly z_hard in any dtype
@@ -103,6 +113,7 @@ def hard_concrete_gate(log_alpha, u=None, generator=None):
 
 def deterministic_gate(log_alpha):
     """Evaluation gate: z = 1[log α > 0] (the more likely hard decision), no RNG, no gradient."""
+    _check_log_alpha(log_alpha)
     return (log_alpha > 0).float()
 
 
@@ -121,9 +132,11 @@ def gumbel_softmax_gate(logit, tau, u=None, generator=None):
     """Two-logit Gumbel-softmax (logits (logit, 0)) with hard forward and straight-through gradient.
 
     Forward exactly 0. or 1. (1 = FULL); P(1) = σ(logit); gradient that of σ((logit + noise) / τ).
+    τ must be finite: at τ = inf the soft value is ½ for every draw and the hard gate never says FULL.
     """
-    if not tau > 0:
-        raise ValueError(f"temperature tau must be > 0, got {tau!r}")
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < math.inf:
+        raise ValueError(f"temperature tau must be a finite number > 0, got {tau!r}")
+    _check_log_alpha(logit)
     logit = logit.float()
     noise = _logistic_noise(logit.shape, logit, u, generator)   # = g1 − g0 in distribution
     z_soft = torch.sigmoid((logit + noise) / tau)
@@ -134,17 +147,6 @@ def gumbel_softmax_gate(logit, tau, u=None, generator=None):
 def _check_progress(progress):
     if not 0.0 <= progress <= 1.0:
         raise ValueError(f"progress must be the fraction of training done, in [0, 1], got {progress!r}")
-
-
-def tau_exponential(progress, tau_init=1.5, tau_min=1.0, rate=0.6):
-    """The paper's schedule τ(p) = max(τ_min, τ_init·e^{−r·p}), r = 0.6, p = fraction of training done.
-
-    Our notes do not fix τ_init and τ_min (nor whether p counts steps or fractions; we take the
-    fraction), so the defaults borrow the end points of the authors' cosine schedule; with them
-    the exponential reaches its floor at p = ln(1.5)/0.6 ≈ 0.68.
-    """
-    _check_progress(progress)
-    return max(tau_min, tau_init * math.exp(-rate * progress))
 
 
 def tau_cosine(progress, tau_start=1.5, tau_end=1.0, anneal_frac=0.6):
@@ -162,12 +164,13 @@ def boundary_pool(k, lengths, pool_tokens):
     The instructions sit at the start of a prompt and the question at its end; the document in the
     middle is noise for telling tasks apart (paper App. H.5). A sample shorter than 2P is pooled
     over each of its tokens once (the union of the two ranges). Tokens at or after lengths[b] are
-    padding and never read.
+    padding and never read; each length must be in [1, S].
 
     Vectorised by gathering 2P slots per sample rather than weighting all S positions: at 64K
     tokens that reads 200 keys instead of 64K and never makes an fp32 copy of the whole K.
     """
     B, Hkv, S, D = k.shape
+    check_lengths(lengths, B, S)
     P = pool_tokens
     slot = torch.arange(P, device=k.device).view(1, P)                # (1, P)
     L = lengths.to(k.device).view(B, 1)                               # (B, 1)
@@ -231,12 +234,6 @@ class AttentionRouter(nn.Module):
         B, Hkv, S, D = k.shape
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.long, device=k.device)
-        if (not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point
-                or tuple(lengths.shape) != (B,)):
-            raise ValueError(f"lengths must be an integer tensor of shape (B,) = ({B},), got {lengths!r}")
-        bad = (lengths < 1) | (lengths > S)
-        if bad.any():    # one device sync per layer; cheap next to attention
-            raise ValueError(f"lengths must be in [1, S={S}], got {lengths[bad].tolist()}")
 
         with torch.autocast(device_type=k.device.type, enabled=False):   # a logit near 0 needs fp32
             x = boundary_pool(k, lengths, self.pool_tokens)                # (B, Hkv, D) fp32
@@ -252,19 +249,29 @@ SENSITIVE_TARGET = 0.7   # QA / retrieval: accuracy collapses past ~0.7 sparse h
 ROBUST_TARGET = 1.0      # summarisation, code, ICL: let the model go as sparse as it likes
 
 
-def omega_msr(zs):
-    """Ω_MSR per sample = 1 − mean z over layers and KV heads: L tensors (B, Hkv) -> (B,).
+def omega_msr(z):
+    """Ω_MSR per sample = 1 − mean z over layers and KV heads: z (L, B, Hkv), or a list of L
+    per-layer (B, Hkv), -> (B,) float32.
 
     With the hard z of the training gate this is the exact fraction of SPARSE heads, and it
-    carries the straight-through gradient back to every router's log α.
+    carries the straight-through gradient back to every router's log α. z must lie in [0, 1]
+    (1 = FULL): outside it the "fraction" could be −1 or 2.
     """
-    if len(zs) == 0:
-        raise ValueError("omega_msr needs the gates of at least one layer, got an empty list")
-    shapes = {tuple(z.shape) for z in zs}
-    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-        raise ValueError(f"every layer's z must be (B, Hkv) with the same shape, got {sorted(shapes)}")
-    z = torch.stack(list(zs))                 # (L, B, Hkv)
-    return 1.0 - z.float().mean(dim=(0, 2))   # (B,)
+    if isinstance(z, (list, tuple)):
+        if len(z) == 0:
+            raise ValueError("omega_msr needs the gates of at least one layer, got an empty list")
+        shapes = {tuple(zi.shape) for zi in z}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ValueError(f"every layer's z must be (B, Hkv) with the same shape, got {sorted(shapes)}")
+        z = torch.stack(list(z))                                      # (L, B, Hkv)
+    if not isinstance(z, torch.Tensor) or z.dim() != 3 or z.numel() == 0:
+        raise ValueError(f"z must be a non-empty (L, B, Hkv) tensor or a list of (B, Hkv), got "
+                         f"{tuple(z.shape) if isinstance(z, torch.Tensor) else type(z)}")
+    z = z.float()
+    if not ((z >= 0) & (z <= 1)).all():   # also catches NaN; one host sync per call
+        raise ValueError(f"z must be in [0, 1] (1 = FULL), got values from {z.min().item()} to "
+                         f"{z.max().item()}{' and NaN' if z.isnan().any() else ''}")
+    return 1.0 - z.mean(dim=(0, 2))                                   # (B,)
 
 
 class SparsityLagrangian(nn.Module):
@@ -296,10 +303,12 @@ class SparsityLagrangian(nn.Module):
         self.lambda2 = nn.Parameter(torch.zeros(num_tasks))      # (T,)
 
     def forward(self, omega, task_ids):
-        """omega (B,) Ω_MSR per sample, task_ids (B,) long -> scalar term."""
+        """omega (B,) Ω_MSR per sample, task_ids (B,) long -> scalar term. B >= 1."""
         if omega.dim() != 1 or not isinstance(task_ids, torch.Tensor) or task_ids.shape != omega.shape:
             raise ValueError(f"omega and task_ids must both be (B,), got {tuple(omega.shape)} and "
                              f"{tuple(task_ids.shape) if isinstance(task_ids, torch.Tensor) else task_ids!r}")
+        if omega.numel() == 0:   # the mean over tasks present would be 0 / 0
+            raise ValueError("the Lagrangian needs at least one sample, got an empty batch (B = 0)")
         if task_ids.dtype.is_floating_point or task_ids.dtype == torch.bool:
             raise ValueError(f"task_ids must be an integer tensor, got dtype {task_ids.dtype}")
         bad = (task_ids < 0) | (task_ids >= self.num_tasks)
@@ -315,19 +324,11 @@ class SparsityLagrangian(nn.Module):
         present = (count > 0).to(per_task.dtype)                               # (T,)
         return (per_task * present).sum() / present.sum()
 
-    def stats(self):
-        """λ values for the log line: {"lambda1/0": ..., "lambda2/0": ..., ...}."""
-        out = {}
-        for name, lam in (("lambda1", self.lambda1), ("lambda2", self.lambda2)):
-            for t, v in enumerate(lam.detach().tolist()):
-                out[f"{name}/{t}"] = v
-        return out
-
 # -----------------------------------------------------------------------------
-# 4. Training plumbing: frozen backbone, the paper's AdamW groups, logging.
+# 4. Training plumbing: frozen backbone, the paper's AdamW groups and schedule.
 
 def freeze_backbone(model):
-    """Only `model.routers.*` stays trainable; returns those parameters.
+    """Only the routers (layers.{i}.self_attn.router.*) stay trainable; returns their parameters.
 
     Activations still carry gradients through the frozen layers (autograd needs them to reach the
     routers of earlier layers); only the backbone's weights get no .grad and no optimizer state.
@@ -351,9 +352,13 @@ def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lamb
 
     Groups (paper Table 6): router weight matrices (lr 5e-4, wd 0.1), router biases (lr 5e-4, no
     decay, as nanoGPT and HF Trainer do), and λ (lr 1e-3, no decay, maximize=True: gradient ascent).
-    torch's AdamW reads `maximize` per param group (checked by the tests), so one optimizer and one
-    scheduler serve both players of the min-max. The schedule scales every group alike.
+    torch's AdamW reads `maximize` per param group, so one optimizer and one scheduler serve both
+    players of the min-max. The schedule scales every group alike. Learning rates must be finite
+    and > 0: a negative λ lr would silently turn the ascent into a descent.
     """
+    for name, lr in (("router_lr", router_lr), ("lambda_lr", lambda_lr)):
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {lr!r}")
     if not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
     if not 0.0 <= warmup_frac < 1.0:
@@ -379,23 +384,3 @@ def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lamb
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_scale)
 
-
-@torch.no_grad()
-def routing_stats(log_alphas, zs, lagrangian=None):
-    """Numbers for the log line, from L tensors (B, Hkv) of log α and of z.
-
-    full_frac[l]: fraction of layer l's (sample, head) decisions that are FULL; mean_log_alpha[l];
-    omega_msr: batch-mean Ω_MSR; plus λ values when a lagrangian is given.
-    """
-    if len(log_alphas) != len(zs):
-        raise ValueError(f"need one log α and one z per layer, got {len(log_alphas)} and {len(zs)}")
-    z = torch.stack([zi.float() for zi in zs])                # (L, B, Hkv)
-    la = torch.stack([a.float() for a in log_alphas])         # (L, B, Hkv)
-    stats = {
-        "full_frac": z.mean(dim=(1, 2)).tolist(),             # L floats
-        "mean_log_alpha": la.mean(dim=(1, 2)).tolist(),       # L floats
-        "omega_msr": 1.0 - z.mean().item(),
-    }
-    if lagrangian is not None:
-        stats.update(lagrangian.stats())
-    return stats

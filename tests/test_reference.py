@@ -164,6 +164,28 @@ def test_closed_form_esr_equals_mask_esr(S, sink, window, block_size, seed):
     torch.testing.assert_close(masks.omega_esr_closed_form(S, modes, sink, window, bm, block_size), masks.omega_esr(mask))
 
 
+@SETTINGS
+@given(S=lengths, sink=st.integers(0, 20), window=st.integers(1, 40), block_size=st.sampled_from([4, 16]),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_closed_form_esr_counts_only_real_tokens(S, sink, window, block_size, seed, data):
+    """With right padding (sample b real up to lengths[b]) the count is hybrid_mask restricted to
+    the real (query, key) pairs, and Ω_ESR is that sample's own, as if it had never been padded."""
+    _, _, _, modes, bm = random_case(3, 2, 1, S, 4, block_size, seed)
+    lens = torch.tensor(data.draw(st.lists(st.integers(1, S), min_size=3, max_size=3)))
+    mask = masks.hybrid_mask(S, modes, sink, window, bm, block_size)                 # (B, Hkv, S, S)
+    kept = masks.kept_pairs(S, modes, sink, window, bm, block_size, lengths=lens)    # (B, Hkv)
+    esr = masks.omega_esr_closed_form(S, modes, sink, window, bm, block_size, lengths=lens)
+    for b, L in enumerate(lens.tolist()):
+        real = mask[b:b + 1, :, :L, :L]                                              # (1, Hkv, L, L)
+        assert torch.equal(kept[b], real.sum((-2, -1)).double()[0]), f"sample {b}, length {L} of {S}"
+        torch.testing.assert_close(esr[b:b + 1], masks.omega_esr(real))
+    full_lens = torch.full((3,), S)
+    assert torch.equal(masks.kept_pairs(S, modes, sink, window, bm, block_size, lengths=full_lens),
+                       masks.kept_pairs(S, modes, sink, window, bm, block_size))
+    with pytest.raises(ValueError, match=r"lengths must be in \[1, S"):
+        masks.omega_esr_closed_form(S, modes, sink, window, bm, block_size, lengths=full_lens + 1)
+
+
 def test_reference_is_differentiable_in_float32():
     q, k, v, modes, bm = random_case(1, 2, 2, 33, 8, 16, 1)
     q, k, v = (t.float().requires_grad_(True) for t in (q, k, v))
