@@ -1,24 +1,30 @@
 """elastic_attention.py — a small Llama-style model, written from scratch, whose attention heads are
-each FULL or sparse per input (Elastic Attention, METHOD.md §2, §3, §5, §7).
+each FULL or sparse per input (Elastic Attention, METHOD.md §2–§5, §7).
 
     embedding → L × [RMSNorm → attention (GQA, rotate-half RoPE, 1/√D) → residual
                      → RMSNorm → SwiGLU MLP → residual] → RMSNorm → LM head
 
 The math mirrors Hugging Face's LlamaForCausalLM (and Qwen3's QK-norm) so that its weights load
-and give the same logits (`from_pretrained_hf`). What is new is in `Attention.forward`: every
-(sample, KV head) gets a mode — decided by the caller, by a gate z, or by the layer's router —
-and `kernels.hybrid_attention` runs each head in its mode. A layer can run in three ways:
+and give the same logits (`from_pretrained_hf`). What is new is `Attention.forward`, one step of
+the method per block of code:
 
-    backbone      every head FULL                                  modes=None, gates=None, route=None
-    hybrid        given per-sample per-head kernel modes          modes=(L, B, Hkv) int
-    training mix  O = z·O_full + (1 − z)·O_sparse, z ∈ [0, 1]      gates=(L, B, Hkv) or route=gate_fn
+    1. the layer's router reads the prompt's pre-RoPE keys → log α (B, Hkv)         router.py
+    2. a gate turns log α into z per (sample, KV head); z = 1 keeps the head FULL     router.py
+         model.train(): hard-concrete sample, forward exactly 0/1, straight-through gradient
+         model.eval():  z = 1[log α > 0]
+    3. attention, every head in its mode                                              kernels.py
+         training:  O = z·O_full + (1 − z)·O_sparse   (d O / d z = O_full − O_sparse reaches the router)
+         inference: one hybrid call, each (sample, KV head) in its own mode
 
-z = 1 means FULL (a retrieval head), z = 0 means SPARSE (METHOD.md §5). What "full" and "sparse"
-mean is the head configuration, written {retrieval mode}-{sparse mode}: FA-SSA (default: dense vs
-streaming), FA-XA (dense vs XAttention block-sparse), XA-SSA (XAttention vs streaming), XA-XA.
+Without routers (attach_routers() adds them) every head is FULL: the backbone. Two ways to skip the
+router by hand: modes=(L, B, Hkv) kernel modes, or gates=(L, B, Hkv) z values for the training mix.
+
+What "full" and "sparse" mean is the head configuration, {retrieval mode}-{sparse mode}: FA-SSA
+(default: dense vs streaming), FA-XA (dense vs XAttention block-sparse), XA-SSA (XAttention vs
+streaming), XA-XA. Which attention code runs is `Config.backend`, never the grad mode.
 
 Shape letters: B batch, S sequence, V vocab, C model dim, L layers, Hq query heads, Hkv KV heads,
-G = Hq // Hkv, D head dim, T cached tokens.
+G = Hq // Hkv, D head dim.
 """
 import glob
 import json
@@ -43,6 +49,8 @@ HEAD_CONFIGS = {
     "XA-SSA": (BLOCK_SPARSE, STREAMING),
     "XA-XA": (BLOCK_SPARSE, BLOCK_SPARSE),  # both sides XAttention: the router changes nothing; a baseline
 }
+GATES = ("hard-concrete", "gumbel")
+BACKENDS = ("auto", "torch", "triton", "reference")
 
 
 @dataclass
@@ -70,6 +78,10 @@ class Config:
     # Router (METHOD.md §4).
     router_hidden_mult: int = 4    # MLP hidden = 4·D (Table 3: ×2…×8 all within noise)
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
+    gate: str = "hard-concrete"    # training gate (METHOD.md §5); "gumbel" = the paper's Gumbel-softmax
+    # Which attention code runs (kernels.hybrid_attention): "auto" = the Triton kernel on CUDA when it
+    # supports the call, PyTorch otherwise; "torch"; "triton" (on a CPU: TRITON_INTERPRET=1); "reference".
+    backend: str = "auto"
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -84,6 +96,10 @@ class Config:
         masks.check_sparse_params(self.sink, self.window, self.block_size)
         if self.block_size % self.xa_stride:
             raise ValueError(f"xa_stride {self.xa_stride} does not divide block_size {self.block_size}")
+        if self.gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -119,7 +135,7 @@ PRESETS = {
     "tiny": dict(rope_theta=500000.0),
     # One-GPU experiments: the tiny model's shape with 4K-token inputs, the paper's sink 128 /
     # window 2048 (at 16K) scaled by 1/4. The shape is kept small so its backbone trains in minutes.
-    "long": dict(rope_theta=500000.0, max_seq_len=4096, sink=32, window=512, block_size=64, xa_stride=16,
+    "gpu": dict(rope_theta=500000.0, max_seq_len=4096, sink=32, window=512, block_size=64, xa_stride=16,
                  pool_tokens=64),
     # Llama-3.1-8B attention shapes, for benchmarks (no weights are shipped or fetched).
     "llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -195,6 +211,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.router = None      # an AttentionRouter, from Transformer.attach_routers()
+        self.gumbel_tau = 1.0   # temperature of the "gumbel" training gate; the training loop anneals it
 
     def project(self, x, cos, sin):
         """x (B, S, C) → q (B, Hq, S, D), k (B, Hkv, S, D) after RoPE, v, and the pre-RoPE keys
@@ -207,54 +225,62 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k
 
-    def run(self, q, k, v, modes, block_mask):
-        c = self.cfg
-        return kernels.hybrid_attention(q, k, v, modes, c.sink, c.window, block_mask, c.block_size)
+    def gate(self, log_alpha):
+        """log α (B, Hkv) → z (B, Hkv), 1 = FULL (METHOD.md §5). Training draws a hard 0/1 decision
+        whose gradient is the relaxation's; evaluation takes the more likely decision, no RNG."""
+        if not self.training:
+            return router_lib.deterministic_gate(log_alpha)
+        if self.cfg.gate == "gumbel":
+            return router_lib.gumbel_softmax_gate(log_alpha, self.gumbel_tau)
+        return router_lib.hard_concrete_gate(log_alpha)
 
-    def forward(self, x, cos, sin, modes=None, gate=None, route=None, router=None, block_mask=None,
-                lengths=None):
-        """Returns (out (B, S, C), record). record holds this layer's z (B, Hkv), kernel modes
-        (B, Hkv) int, log α (router only), block mask (XA only) and k/v for a KV cache."""
+    def attend(self, q, k, v, modes, block_mask):
+        c = self.cfg
+        return kernels.hybrid_attention(q, k, v, modes, c.sink, c.window, block_mask, c.block_size, c.backend)
+
+    def forward(self, x, cos, sin, modes=None, z=None, lengths=None, prompt_lengths=None):
+        """x (B, S, C) → (out (B, S, C), record). modes (B, Hkv) int or z (B, Hkv) in [0, 1] skip the
+        router. lengths (B,): real tokens (the rest is padding); prompt_lengths (B,): tokens the router
+        may read. record: this layer's z, kernel modes, log α, block mask, and k/v for a KV cache."""
         B, S, _ = x.shape
         q, k, v, k_pre = self.project(x, cos, sin)
         full_mode, sparse_mode = HEAD_CONFIGS[self.cfg.head_config]
+
+        # 1-2. Route: the router reads the prompt's keys and a gate decides z per (sample, KV head).
         log_alpha = None
-        if route is not None:  # the router looks at this input and decides per KV head
-            log_alpha = router(k_pre, lengths)                       # (B, Hkv)
-            gate = router_lib.deterministic_gate(log_alpha) if route == "eval" else route(log_alpha)
-            mix = route != "eval"
-        else:
-            mix = gate is not None
-        if gate is not None:
-            if modes is not None:
-                raise ValueError("give either modes or a gate/route, not both")
-            if tuple(gate.shape) != (B, self.n_kv_heads):
-                raise ValueError(f"gate has shape {tuple(gate.shape)}, expected (B, Hkv) = ({B}, {self.n_kv_heads})")
-            modes = torch.where(gate > 0.5, full_mode, sparse_mode).to(torch.int32)  # (B, Hkv)
+        if modes is None and z is None and self.router is not None:
+            log_alpha = self.router(k_pre, prompt_lengths)                                 # (B, Hkv)
+            z = self.gate(log_alpha)                                                       # (B, Hkv)
+        if z is not None:
+            modes = torch.where(z > 0.5, full_mode, sparse_mode).to(torch.int32)           # (B, Hkv)
         elif modes is None:
             modes = torch.full((B, self.n_kv_heads), FULL, dtype=torch.int32, device=x.device)
-        if gate is not None:  # modes come from this configuration: no need to look at them (a host sync)
+        mix = z is not None and (self.training or log_alpha is None)  # evaluation runs the hybrid alone
+
+        # XAttention heads pick their key blocks from this input's q and k (no gradient).
+        if z is not None:  # the modes come from this configuration: no need to look at them (a host sync)
             needs_xa = BLOCK_SPARSE in (full_mode, sparse_mode)
         else:
             needs_xa = bool((modes == BLOCK_SPARSE).any())
-        if block_mask is None and needs_xa:
+        block_mask = None
+        if needs_xa:
+            xa_lengths = {} if lengths is None else dict(lengths=lengths)
             block_mask = xattention.xattention_block_mask(q, k, self.cfg.block_size, self.cfg.xa_stride,
-                                                       self.cfg.xa_threshold)  # (B, Hkv, nB, nB)
+                                                          self.cfg.xa_threshold, **xa_lengths)  # (B, Hkv, nB, nB)
 
+        # 3. Attention. Training mix (METHOD.md §5): both outputs, O = z·O_full + (1 − z)·O_sparse.
+        # With a hard z the forward is exactly the hybrid model, and d O / d z = O_full − O_sparse.
         if mix:
-            # Training mix (METHOD.md §5): both outputs, O = z·O_full + (1 − z)·O_sparse. With a hard
-            # z the forward is exactly the hybrid model; d O / d z = O_full − O_sparse.
-            o_full = self.run(q, k, v, torch.full_like(modes, full_mode), block_mask)      # (B, Hq, S, D)
-            o_sparse = self.run(q, k, v, torch.full_like(modes, sparse_mode), block_mask)  # (B, Hq, S, D)
-            zq = gate.to(q.dtype).repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, Hq)
-            zq = zq[:, :, None, None]                                                      # (B, Hq, 1, 1)
+            o_full = self.attend(q, k, v, torch.full_like(modes, full_mode), block_mask)      # (B, Hq, S, D)
+            o_sparse = self.attend(q, k, v, torch.full_like(modes, sparse_mode), block_mask)  # (B, Hq, S, D)
+            zq = z.to(q.dtype).repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)       # (B, Hq)
+            zq = zq[:, :, None, None]                                                          # (B, Hq, 1, 1)
             out = zq * o_full + (1 - zq) * o_sparse
         else:
-            out = self.run(q, k, v, modes, block_mask)                                     # (B, Hq, S, D)
-        # Given modes, a head is sparse (z = 0) iff it runs this configuration's sparse mode: a dense
-        # FULL head in XA-SSA is not sparse.
-        z = gate if gate is not None else (modes != sparse_mode).to(q.dtype)              # (B, Hkv)
-        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)             # (B, S, Hq·D)
+            out = self.attend(q, k, v, modes, block_mask)                                      # (B, Hq, S, D)
+        if z is None:  # given modes: a head is sparse iff it runs this configuration's sparse mode
+            z = (modes != sparse_mode).to(q.dtype)                                             # (B, Hkv)
+        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)                  # (B, S, Hq·D)
         record = dict(z=z, modes=modes, log_alpha=log_alpha, block_mask=block_mask, k=k, v=v)
         return self.o_proj(out), record
 
@@ -288,142 +314,198 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.routers = None  # attach_routers() adds one AttentionRouter per layer
         self.apply(self._init_weights)
 
     def _init_weights(self, m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)  # GPT-2 / Llama initializer_range
 
-    def attach_routers(self):
-        """One AttentionRouter per layer (METHOD.md §4); returns them."""
+    @property
+    def routers(self):
+        """The layers' routers, or None before attach_routers()."""
+        routers = [layer.self_attn.router for layer in self.layers]
+        return None if routers[0] is None else routers
+
+    def attach_routers(self, static=False):
+        """Give every layer an AttentionRouter (METHOD.md §4), float32, on the model's device, and
+        return their parameters. static=True gives a StaticGate instead: one learned log α per KV
+        head, the same for every input (the DuoAttention / PruLong baseline, trained the same way)."""
         c = self.cfg
-        self.routers = nn.ModuleList(
-            router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens) for _ in range(c.n_layers))
-        self.routers.to(self.lm_head.weight.device)
-        return self.routers
+        params = []
+        for layer in self.layers:
+            r = router_lib.StaticGate(c.n_kv_heads) if static else \
+                router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens)
+            layer.self_attn.router = r.to(self.lm_head.weight.device)
+            params += list(r.parameters())
+        return params
+
+    def set_gumbel_tau(self, tau):
+        for layer in self.layers:
+            layer.self_attn.gumbel_tau = tau
 
     def check_tokens(self, idx):
-        if idx.dim() != 2 or idx.dtype != torch.long:
-            raise ValueError(f"idx must be a (B, S) long tensor, got {idx.dtype} {tuple(idx.shape)}")
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
+            raise ValueError(f"idx must be a (B, S) long tensor, got "
+                             f"{f'{idx.dtype} {tuple(idx.shape)}' if isinstance(idx, torch.Tensor) else type(idx)}")
+        if idx.shape[1] < 1:
+            raise ValueError("idx has no tokens (S = 0)")
         if idx.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
         if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got min {idx.min().item()} "
                              f"max {idx.max().item()}")
 
-    def forward(self, idx, modes=None, gates=None, route=None, block_masks=None, lengths=None):
-        """idx (B, S) → (logits (B, S, V), info). See the module docstring for modes / gates / route.
+    def check_per_layer(self, name, values, B):
+        """modes / gates: one (B, Hkv) tensor per layer, as a list or an (L, B, Hkv) tensor."""
+        L, Hkv = self.cfg.n_layers, self.cfg.n_kv_heads
+        want = f"(L, B, Hkv) = ({L}, {B}, {Hkv})"
+        if not (isinstance(values, torch.Tensor) or
+                isinstance(values, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in values)):
+            raise ValueError(f"{name} must be a tensor {want} or a list of L tensors (B, Hkv), got {type(values).__name__}")
+        if len(values) != L or any(tuple(v.shape) != (B, Hkv) for v in values):
+            shape = tuple(values.shape) if isinstance(values, torch.Tensor) else [tuple(v.shape) for v in values]
+            raise ValueError(f"{name} must have shape {want}, got {shape}")
+        if name == "gates" and any(((v < 0) | (v > 1) | v.isnan()).any() for v in values):
+            raise ValueError("gates must lie in [0, 1] (z = 1 FULL, 0 sparse)")
 
-        info: z, modes, log_alpha, block_mask, records (one entry per layer), omega_msr (B,)
-        = 1 − mean z over layers and KV heads (carries the gate's gradient), omega_esr (B,)
-        mean over layers and omega_esr_last (B,) for the last layer (METHOD.md §2).
+    def check_lengths(self, name, lengths, B, S):
+        if lengths is None:
+            return
+        if (not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point
+                or lengths.dtype == torch.bool or tuple(lengths.shape) != (B,)):
+            raise ValueError(f"{name} must be an integer tensor of shape (B,) = ({B},), got {lengths!r}")
+        bad = (lengths < 1) | (lengths > S)
+        if bad.any():
+            raise ValueError(f"{name} must lie in [1, S={S}], got {lengths[bad].tolist()}")
+
+    def forward(self, idx, modes=None, gates=None, lengths=None, prompt_lengths=None):
+        """idx (B, S) → (logits (B, S, V), info). Routing follows the module docstring.
+
+        lengths (B,): real tokens per row (right padding after them changes no real token's output,
+        Ω_ESR counts real tokens only). prompt_lengths (B,): how many tokens the router reads — the
+        prompt, never the answer (default: lengths). info: z, modes, log_alpha, block_mask (one entry
+        per layer), records, omega_msr (B,) = 1 − mean z over layers and KV heads (carries the gate's
+        gradient), omega_esr (B,) averaged over layers and omega_esr_last (B,) (METHOD.md §2).
         """
         self.check_tokens(idx)
         B, S = idx.shape
-        L = self.cfg.n_layers
-        if route is not None and self.routers is None:
-            raise ValueError("route given but the model has no routers: call attach_routers() first")
-        if route is not None and not (route == "eval" or callable(route)):
-            raise ValueError(f"route must be None, 'eval' or a gate function, got {route!r}")
-        for name, per_layer in (("modes", modes), ("gates", gates), ("block_masks", block_masks)):
-            if per_layer is not None and len(per_layer) != L:
-                raise ValueError(f"{name} must have one entry per layer ({L}), got {len(per_layer)}")
+        if modes is not None and gates is not None:
+            raise ValueError("give modes or gates, not both")
+        for name, values in (("modes", modes), ("gates", gates)):
+            if values is not None:
+                self.check_per_layer(name, values, B)
+        self.check_lengths("lengths", lengths, B, S)
+        self.check_lengths("prompt_lengths", prompt_lengths, B, S)
+        if prompt_lengths is None:
+            prompt_lengths = lengths
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         x = self.embed_tokens(idx)  # (B, S, C)
         records = []
         for i, layer in enumerate(self.layers):
-            x, record = layer(x, cos, sin,
-                              modes=None if modes is None else modes[i],
-                              gate=None if gates is None else gates[i],
-                              route=route, router=None if self.routers is None else self.routers[i],
-                              block_mask=None if block_masks is None else block_masks[i], lengths=lengths)
+            x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
+                              z=None if gates is None else gates[i],
+                              lengths=lengths, prompt_lengths=prompt_lengths)
             records.append(record)
         logits = self.lm_head(self.norm(x))  # (B, S, V)
-        return logits, self.summarize(records, S)
+        return logits, self.summarize(records, S, lengths)
 
-    def summarize(self, records, S):
+    def summarize(self, records, S, lengths=None):
         c = self.cfg
-        z = torch.stack([r["z"] for r in records])  # (L, B, Hkv)
+        extra = {} if lengths is None else dict(lengths=lengths)
         esr = torch.stack([masks.omega_esr_closed_form(S, r["modes"], c.sink, c.window, r["block_mask"],
-                                                         c.block_size) for r in records])  # (L, B)
+                                                       c.block_size, **extra) for r in records])  # (L, B)
         return dict(
             records=records, z=[r["z"] for r in records], modes=[r["modes"] for r in records],
             log_alpha=[r["log_alpha"] for r in records], block_mask=[r["block_mask"] for r in records],
-            omega_msr=1.0 - z.float().mean((0, 2)), omega_esr=esr.mean(0), omega_esr_last=esr[-1])
+            omega_msr=router_lib.omega_msr([r["z"] for r in records]), omega_esr=esr.mean(0),
+            omega_esr_last=esr[-1])
 
-    @torch.no_grad()
-    def attention_rows(self, idx, positions):
-        """Backbone (all heads FULL) attention probabilities of one query per sample:
-        positions (B,) → (L, B, Hq, S). The retrieval score of a head (METHOD.md §8, App. C) is
-        their mass on the needle tokens."""
-        self.check_tokens(idx)
-        B, S = idx.shape
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
-        x = self.embed_tokens(idx)
-        rows = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            q, k, _, _ = attn.project(layer.input_layernorm(x), cos, sin)    # (B, Hq, S, D), (B, Hkv, S, D)
-            qp = q[torch.arange(B, device=idx.device), :, positions]         # (B, Hq, D)
-            k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)   # (B, Hq, S, D)
-            scores = torch.einsum("bhd,bhsd->bhs", qp.float(), k.float()) / math.sqrt(attn.head_dim)
-            visible = torch.arange(S, device=idx.device).view(1, 1, S) <= positions.view(B, 1, 1)
-            rows.append(torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1))  # (B, Hq, S)
-            x, _ = layer(x, cos, sin)
-        return torch.stack(rows)                                               # (L, B, Hq, S)
 
     # -------------------------------------------------------------------------
     # Generation: prefill decides every head's mode once; decoding reuses it (METHOD.md §7).
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, modes=None, route=None, block_masks=None):
+    def generate(self, idx, max_new_tokens, modes=None, cache="compact"):
         """Greedy decoding with a KV cache. Returns (tokens (B, S + new), prefill info).
 
-        Streaming heads see only sinks + window at decode too. Block-sparse heads keep their
-        prefill mask for rows it covers and attend to every cached key after it: XAttention is a
-        prefill method (the authors' decode attends the whole cache for every head)."""
-        if idx.shape[1] + max_new_tokens > self.cfg.max_seq_len:
-            raise ValueError(f"{idx.shape[1]} + {max_new_tokens} new tokens exceed max_seq_len {self.cfg.max_seq_len}")
-        logits, info = self.forward(idx, modes=modes, route=route, block_masks=block_masks)
-        cache = [(r["k"], r["v"]) for r in info["records"]]  # per layer (B, Hkv, T, D) after RoPE
+        Prefill decides every head's mode (the given modes, else the routers, else all FULL) and
+        decoding reuses it (METHOD.md §7). cache="compact" (default): decode.KVCache, where a
+        STREAMING head keeps only its sink + window tokens and decode attention reads only those
+        (the Triton kernel on a GPU). cache="full": every head keeps every token, and a one-row mask
+        from masks.hybrid_mask hides what a head may not see: the reference the compact cache is
+        tested against. In both, a BLOCK_SPARSE head attends to its whole cache at decode:
+        XAttention is a prefill method (the authors' decode attends the whole cache for every head)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if cache not in ("compact", "full"):
+            raise ValueError(f"cache must be 'compact' or 'full', got {cache!r}")
+        self.check_tokens(idx)
+        S = idx.shape[1]
+        if S + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"{S} + {max_new_tokens} new tokens exceed max_seq_len {self.cfg.max_seq_len}")
+        logits, info = self.forward(idx, modes=modes)
+        records = info["records"]
+        if cache == "compact":
+            import decode  # decode.py imports masks only: no cycle, but kept beside its one use
+            backend = "reference" if self.cfg.backend == "torch" else self.cfg.backend  # torch: the naive twin
+            kv = decode.KVCache.from_prefill([r["k"] for r in records], [r["v"] for r in records],
+                                             [r["modes"] for r in records], self.cfg.sink, self.cfg.window,
+                                             S + max_new_tokens, backend=backend)
+        else:
+            kv = [(r["k"], r["v"]) for r in records]  # per layer (B, Hkv, S, D) after RoPE
         out = idx
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             nxt = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
             out = torch.cat([out, nxt], dim=1)
-            if out.shape[1] == idx.shape[1] + max_new_tokens:
-                break
-            logits, cache = self.decode_step(nxt, out.shape[1] - 1, cache, info)
+            if step + 1 < max_new_tokens:                 # the last new token needs no forward pass
+                logits, kv = self.decode_step(nxt, out.shape[1] - 1, kv, info)
         return out, info
 
     def decode_step(self, token, pos, cache, info):
-        """One token at position pos against the cache: logits (B, 1, V) and the grown cache."""
+        """One token (B, 1) at position pos → (logits (B, 1, V), cache). cache: a decode.KVCache,
+        written in place, or for the full-cache reference a list of per-layer (k, v) (B, Hkv, pos, D),
+        returned one token longer. info: the prefill's (its per-layer modes)."""
         c = self.cfg
-        x = self.embed_tokens(token)                                  # (B, 1, C)
+        self.check_tokens(token)
+        B = token.shape[0]
+        if token.shape[1] != 1:
+            raise ValueError(f"decode_step takes one token per sample, (B, 1), got {tuple(token.shape)}")
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < c.max_seq_len:
+            raise ValueError(f"position {pos!r} outside [0, max_seq_len={c.max_seq_len})")
+        compact = not isinstance(cache, (list, tuple))
+        if compact:
+            cache.check_config(c.n_layers, c.n_kv_heads, c.head_dim, c.sink, c.window)
+            batch, held = cache.B, cache.n_tokens
+        elif len(cache) != c.n_layers:
+            raise ValueError(f"full cache has {len(cache)} layers, the model {c.n_layers}")
+        else:
+            batch, held = cache[0][0].shape[0], cache[0][0].shape[2]
+        if batch != B or held != pos:
+            raise ValueError(f"cache holds {held} tokens of {batch} samples; got position {pos} for {B} samples")
+        x = self.embed_tokens(token)                                          # (B, 1, C)
         cos, sin = self.rope_cos[pos:pos + 1], self.rope_sin[pos:pos + 1]
         new_cache = []
-        for layer, (k_cache, v_cache), modes, bm in zip(self.layers, cache, info["modes"], info["block_mask"]):
+        for i, (layer, modes) in enumerate(zip(self.layers, info["modes"])):
             attn = layer.self_attn
-            q, k, v, _ = attn.project(layer.input_layernorm(x), cos, sin)  # (B, H, 1, D)
-            k_cache, v_cache = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)  # (B, Hkv, T, D)
-            T = k_cache.shape[2]
-            mask = masks.hybrid_mask(T, modes, c.sink, c.window, _grow(bm, T, c.block_size), c.block_size,
-                                       q_idx=torch.tensor([pos]))   # (B, Hkv, 1, T)
-            a = masks.masked_attention(q, k_cache, v_cache, mask)  # (B, Hq, 1, D)
-            a = a.transpose(1, 2).reshape(x.shape[0], 1, -1)        # (B, 1, Hq·D)
-            x = x + attn.o_proj(a)
+            q, k, v, _ = attn.project(layer.input_layernorm(x), cos, sin)    # (B, Hq, 1, D), (B, Hkv, 1, D)
+            if compact:
+                cache.write(i, pos, k, v)
+                a = cache.attend(i, q[:, :, 0], pos + 1)                        # (B, Hq, D)
+            else:
+                k_all = torch.cat([cache[i][0], k], 2)                          # (B, Hkv, pos + 1, D)
+                v_all = torch.cat([cache[i][1], v], 2)
+                new_cache.append((k_all, v_all))
+                # At decode a BLOCK_SPARSE head sees its whole cache, like a FULL one.
+                dec_modes = torch.where(modes == BLOCK_SPARSE, FULL, modes)     # (B, Hkv)
+                mask = masks.hybrid_mask(pos + 1, dec_modes, c.sink, c.window,
+                                         q_idx=torch.tensor([pos]))              # (B, Hkv, 1, pos + 1)
+                a = masks.masked_attention(q, k_all, v_all, mask)               # (B, Hq, 1, D)
+            x = x + attn.o_proj(a.reshape(B, 1, -1))                            # (B, 1, Hq·D) → (B, 1, C)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            new_cache.append((k_cache, v_cache))
-        return self.lm_head(self.norm(x)), new_cache
+        if compact:
+            cache.n_tokens = pos + 1
+        return self.lm_head(self.norm(x)), cache if compact else new_cache
 
-
-def _grow(block_mask, T, block_size):
-    """Pad a prefill block mask (B, Hkv, n, n) to cover T tokens, or None. New query blocks get
-    every key block on: past the prefill, block-sparse heads attend like full ones."""
-    if block_mask is None:
-        return None
-    n = masks.num_blocks(T, block_size)
-    return F.pad(block_mask, (0, n - block_mask.shape[-1], 0, n - block_mask.shape[-2]), value=True)
 
 # -----------------------------------------------------------------------------
 # Hugging Face interop: our parameter names are HF's without the "model." prefix.
@@ -431,7 +513,7 @@ def _grow(block_mask, T, block_size):
 def load_hf_state_dict(model, hf_state):
     """Copy a HF Llama / Qwen3 state dict (model.layers.{i}.self_attn.q_proj.weight, …,
     lm_head.weight) into `model`. Raises on missing, unexpected or mis-shaped tensors."""
-    ours = {k: v for k, v in model.state_dict().items() if not k.startswith("routers.")}
+    ours = {k: v for k, v in model.state_dict().items() if ".router." not in k}
     mapped = {}
     for name, tensor in hf_state.items():
         if name.endswith("rotary_emb.inv_freq"):
@@ -492,7 +574,7 @@ def load_checkpoint(path, cfg=None, map_location="cpu"):
             raise ValueError(f"checkpoint {path!r} was made with a different config (saved, wanted): {diff}")
         saved = cfg
     model = Transformer(saved)
-    if any(k.startswith("routers.") for k in ckpt["model"]):
-        model.attach_routers()
+    if any(".router." in k for k in ckpt["model"]):
+        model.attach_routers(static=any(k.endswith(".router.log_alpha") for k in ckpt["model"]))
     model.load_state_dict(ckpt["model"])
     return model, ckpt

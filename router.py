@@ -242,6 +242,19 @@ class AttentionRouter(nn.Module):
             log_alpha = self.router_mlp(x).squeeze(-1)                     # (B, Hkv)
         return log_alpha.float()
 
+
+class StaticGate(nn.Module):
+    """The trained static baseline (DuoAttention / PruLong): one learned log α per KV head, the same
+    for every input. It has AttentionRouter's interface, so it trains through the same gate,
+    Lagrangian and loop; only its output ignores the keys."""
+
+    def __init__(self, n_kv_heads):
+        super().__init__()
+        self.log_alpha = nn.Parameter(torch.zeros(n_kv_heads))  # P(FULL) = ½ at the start, like the router
+
+    def forward(self, k, lengths=None):
+        return self.log_alpha.float().expand(k.shape[0], -1)     # (B, Hkv)
+
 # -----------------------------------------------------------------------------
 # 3. The objective: model sparsity Ω_MSR and the per-task Lagrangian (METHOD.md §6).
 
@@ -333,11 +346,11 @@ def freeze_backbone(model):
     Activations still carry gradients through the frozen layers (autograd needs them to reach the
     routers of earlier layers); only the backbone's weights get no .grad and no optimizer state.
     """
-    if not isinstance(getattr(model, "routers", None), nn.Module):
-        raise ValueError(f"{type(model).__name__} has no `routers` module; attach routers before freezing")
+    if not getattr(model, "routers", None):
+        raise ValueError(f"{type(model).__name__} has no routers; call attach_routers() before freezing")
     trainable = []
     for name, p in model.named_parameters():
-        is_router = name.startswith("routers.")
+        is_router = ".router." in name      # layers.{i}.self_attn.router.*
         p.requires_grad_(is_router)
         if is_router:
             trainable.append(p)

@@ -133,8 +133,8 @@ def test_checkpoint_round_trip_with_routers(tmp_path):
     loaded, ckpt = E.load_checkpoint(str(tmp_path / "m.pt"), cfg)
     assert ckpt["step"] == 7 and loaded.routers is not None
     idx = torch.randint(0, T.VOCAB_SIZE, (2, 40))
-    a, ia = model(idx, route="eval")
-    b, ib = loaded(idx, route="eval")
+    a, ia = model.eval()(idx)
+    b, ib = loaded.eval()(idx)
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ia["log_alpha"], ib["log_alpha"]))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         E.load_checkpoint(str(tmp_path / "missing.pt"))
