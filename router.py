@@ -315,8 +315,12 @@ class SparsityLagrangian(nn.Module):
         self.lambda1 = nn.Parameter(torch.zeros(num_tasks))      # (T,)
         self.lambda2 = nn.Parameter(torch.zeros(num_tasks))      # (T,)
 
-    def forward(self, omega, task_ids):
-        """omega (B,) Ω_MSR per sample, task_ids (B,) long -> scalar term. B >= 1."""
+    def forward(self, omega, task_ids, task_counts=None):
+        """omega (B,) Ω_MSR per sample, task_ids (B,) long -> scalar term. B >= 1.
+
+        task_counts (T,): samples per task in the whole batch when this call sees only a shard of
+        it (data parallel). The result is then this shard's share: the shares of all shards add up
+        to the term of the whole batch, exactly."""
         if omega.dim() != 1 or not isinstance(task_ids, torch.Tensor) or task_ids.shape != omega.shape:
             raise ValueError(f"omega and task_ids must both be (B,), got {tuple(omega.shape)} and "
                              f"{tuple(task_ids.shape) if isinstance(task_ids, torch.Tensor) else task_ids!r}")
@@ -332,7 +336,7 @@ class SparsityLagrangian(nn.Module):
         per_sample = self.lambda1[task_ids] * first + self.lambda2[task_ids] * gap ** 2   # (B,)
         # Mean per task, then over the tasks present, without a Python loop over tasks.
         onehot = F.one_hot(task_ids, self.num_tasks).to(per_sample.dtype)     # (B, T)
-        count = onehot.sum(0)                                                  # (T,)
+        count = onehot.sum(0) if task_counts is None else task_counts.to(per_sample)  # (T,)
         per_task = (onehot * per_sample[:, None]).sum(0) / count.clamp(min=1)  # (T,)
         present = (count > 0).to(per_task.dtype)                               # (T,)
         return (per_task * present).sum() / present.sum()
