@@ -18,7 +18,7 @@ import os  # TRITON_INTERPRET=1 switches the kernel to Triton's CPU interpreter
 
 import torch
 
-from masks import num_blocks
+from masks import check_lengths, num_blocks
 
 try:
     import triton
@@ -32,6 +32,8 @@ except ImportError:  # the naive scoring needs only torch
 # antidiagonal sum, so a partly padded group is scored on its real tokens; causality (key group
 # j <= query group i) keeps all-padding key groups out of every real query group's softmax; and
 # all-padding query groups are dropped before the block sums, so padding contributes nothing.
+# Right padding of a batch (lengths[b] < S) is treated the same way, per sample: every token at or
+# after lengths[b] counts as a zero token, so a sample's rows are those of its real tokens alone.
 # Short S. With nB <= 2 every causal block is the sink or a diagonal block, so the mask is every
 # causal block, i.e. FULL; in particular S shorter than one stride (nB = 1) is FULL, not an error.
 #
@@ -78,23 +80,30 @@ def check_xattention_backend(backend):
         raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
 
 
-def xattention_scores_naive(q, k, block_size, stride=16):
+def xattention_scores_naive(q, k, block_size, stride=16, lengths=None):
     """XAttention block scores, the obvious dense way. q (B, Hq, S, D), k (B, Hkv, S, D) →
     (B, Hkv, nB, nB) float32 (float64 if given float64): entry [b, h, m, n] is the estimated softmax
     mass that the query groups of block m put on key block n, max over the G query heads of KV head h.
     Zero above the diagonal; each row sums to at least its number of real query groups.
 
+    lengths (B,) (optional, masks.check_lengths): tokens from lengths[b] on are right padding and
+    count exactly as the zero tokens that pad S to whole blocks, so sample b gets the scores of its
+    real tokens alone (zero in the rows and columns of all-padding blocks).
+
     Builds the whole (B, Hq, S, S) score matrix (S²·D multiply-adds and S² floats per query head) and
     keeps 1/T of it, the antidiagonals; the Triton kernel computes only those, S²·D/T work.
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
+    check_lengths(lengths, B, S)
     G, T = Hq // Hkv, stride
     nB = num_blocks(S, block_size)
     g, nG = block_size // T, nB * block_size // T
     cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n = torch.full((B,), S, device=q.device) if lengths is None else lengths.to(q.device)
+    real = (torch.arange(S, device=q.device).view(1, 1, S, 1) < n.view(B, 1, 1, 1))   # (B, 1, S, 1)
     pad = nB * block_size - S                                       # zero tokens to a whole block
-    qf = torch.nn.functional.pad(q.to(cdtype), (0, 0, 0, pad))      # (B, Hq, nG·T, D)
-    kf = torch.nn.functional.pad(k.to(cdtype), (0, 0, 0, pad))      # (B, Hkv, nG·T, D)
+    qf = torch.nn.functional.pad(q.to(cdtype) * real, (0, 0, 0, pad))   # (B, Hq, nG·T, D), padding zeroed
+    kf = torch.nn.functional.pad(k.to(cdtype) * real, (0, 0, 0, pad))   # (B, Hkv, nG·T, D)
     kf = kf.repeat_interleave(G, dim=1)                             # (B, Hq, nG·T, D): head h reads h // G
     scores = qf @ kf.transpose(-2, -1)                              # (B, Hq, nG·T, nG·T)
 
@@ -109,7 +118,7 @@ def xattention_scores_naive(q, k, block_size, stride=16):
     j = torch.arange(nG, device=q.device).view(1, nG)               # key group
     anti = (anti / (math.sqrt(D) * T)).masked_fill(j > i, float("-inf"))
     p = torch.softmax(anti, dim=-1)                                 # (B, Hq, nG, nG), rows sum to 1
-    p = p * (i * T < S)                                             # drop all-padding query groups
+    p = p * (i * T < n.view(B, 1, 1, 1))                            # drop all-padding query groups
 
     # Sum the g×g groups of each (query block, key block) tile; then one matrix per KV head (max).
     block = p.view(B, Hq, nB, g, nB, g).sum((3, 5))                 # (B, Hq, nB, nB)
@@ -140,7 +149,7 @@ if _HAS_TRITON:
     @triton.jit
     def _xattn_scores_kernel(
         q, k, out, blk_lse,
-        S, D, Hkv, nB,
+        seq_lens, D, Hkv, nB,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_ob, stride_oh, stride_om, stride_on,
@@ -159,6 +168,7 @@ if _HAS_TRITON:
         start_m = tl.program_id(0) * BLOCK_M
         b = (tl.program_id(1) // Hkv).to(tl.int64)                    # int64: b·stride_qb can pass 2³¹
         h = (tl.program_id(1) % Hkv).to(tl.int64)
+        S = tl.load(seq_lens + b)          # this sample's real tokens; later ones count as zero padding
         rows = tl.arange(0, ROWS)
         head = rows // BLOCK_M                                        # (ROWS,) query head in the group
         q_group = start_m + rows % BLOCK_M                            # (ROWS,)
@@ -221,11 +231,11 @@ if _HAS_TRITON:
                      mask=(out_m < nB)[:, None] & (kb < n_kb)[None, :])
 
 
-def xattention_scores(q, k, block_size, stride=16, backend="auto", *, BLOCK_N=None, num_warps=8):
-    """Same contract as xattention_scores_naive (float32 (B, Hkv, nB, nB)), by the Triton kernel:
-    no S×S and no (S/T)² matrix, the antidiagonal products computed once. In their place a float32
-    scratch of one log-sum-exp per (query group, key block): (B, Hq, S/T, S/block), allocated here
-    and only half used (causal). That is 32 MiB per query head at S = 128K, T = 16, block 128, so
+def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None, *, BLOCK_N=None, num_warps=8):
+    """Same contract as xattention_scores_naive (float32 (B, Hkv, nB, nB); lengths (B,) optional),
+    by the Triton kernel: no S×S and no (S/T)² matrix, the antidiagonal products computed once. In
+    their place a float32 scratch of one log-sum-exp per (query group, key block):
+    (B, Hq, S/T, S/block), allocated here and only half used (causal). That is 32 MiB per query head at S = 128K, T = 16, block 128, so
     1 GiB for 32 query heads; its causal half is written once and read back once right after by
     the program that wrote it (mostly from L2), against the matmul work it saves (half of it).
 
@@ -236,11 +246,11 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", *, BLOCK_N=No
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
     check_xattention_backend(backend)
+    check_lengths(lengths, B, S)
     g = block_size // stride            # a power of two: stride divides the power-of-two block_size
     if BLOCK_N is None:
-        # key groups per score tile: >= 16 for tl.dot, and whole blocks. Measured on an H200 at 128K
-        # (Hq 32, D 128, block 128, stride 16, bf16): BLOCK_N 64 / 4 warps 21.6 ms, 128 / 4 warps
-        # 18.3 ms, 128 / 8 warps 15.3 ms (the default): wider tiles reuse each Q load more.
+        # key groups per score tile: >= 16 for tl.dot, and whole blocks; wide tiles reuse each Q load
+        # more (128 with 8 warps was the fastest on an H200, NOTES_kernels.md).
         BLOCK_N = max(128, g)
     if isinstance(BLOCK_N, bool) or not isinstance(BLOCK_N, int) or BLOCK_N < max(16, g) \
             or BLOCK_N & (BLOCK_N - 1):
@@ -248,7 +258,7 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", *, BLOCK_N=No
     if backend == "auto":
         backend = "triton" if q.is_cuda and _HAS_TRITON and q.dtype != torch.float64 else "reference"
     if backend == "reference":
-        return xattention_scores_naive(q, k, block_size, stride)
+        return xattention_scores_naive(q, k, block_size, stride, lengths)
     if not _HAS_TRITON:
         raise ValueError("backend='triton' but triton is not installed")
     if q.dtype == torch.float64:
@@ -266,10 +276,12 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", *, BLOCK_N=No
     # fp32 tiles are twice the bytes: pipelining their loads (Triton's default, 3 stages) would ask
     # for more shared memory than an H100/H200 block has (227 KB) at G = 8. 16-bit tiles fit.
     num_stages = 1 if q.dtype == torch.float32 else 3
+    seq_lens = (torch.full((B,), S, device=q.device, dtype=torch.int32) if lengths is None
+                else lengths.to(q.device, torch.int32))            # (B,) real tokens per sample
     grid = (triton.cdiv(nG, BLOCK_M), B * Hkv)
     _xattn_scores_kernel[grid](
         q, k, out, blk_lse,
-        S, D, Hkv, nB,
+        seq_lens, D, Hkv, nB,
         *q.stride(), *k.stride(), *out.stride(), *blk_lse.stride(),
         qk_scale,
         T=stride, GROUPS_PER_BLOCK=g, G=G, G_PAD=triton.next_power_of_2(G),
@@ -314,18 +326,22 @@ def xattention_select(block_scores, threshold=0.9):
     return keep | forced
 
 
-def xattention_block_mask(q, k, block_size, stride=16, threshold=0.9, backend="auto"):
+def xattention_block_mask(q, k, block_size, stride=16, threshold=0.9, backend="auto", lengths=None):
     """XAttention block mask for causal prefill: q (B, Hq, S, D), k (B, Hkv, S, D) → bool
     (B, Hkv, nB, nB), ready for hybrid_mask / hybrid_attention(block_mask=..., block_size=...).
     Use the keys and queries the attention itself sees (after RoPE). Not differentiable.
+
+    lengths (B,): right padding after lengths[b] real tokens. Every block row that covers a real
+    token is then the row sample b alone would get (rows made only of padding cover no real query).
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
     check_threshold(threshold)
     check_xattention_backend(backend)
+    check_lengths(lengths, B, S)
     nB = num_blocks(S, block_size)
     if nB <= 2 or threshold >= 1.0:   # nothing to choose: every causal block is forced or wanted → FULL
         idx = torch.arange(nB, device=q.device)
         return (idx.view(1, nB) <= idx.view(nB, 1)).expand(B, Hkv, nB, nB).clone()
     with torch.no_grad():
-        scores = xattention_scores(q, k, block_size, stride, backend)  # (B, Hkv, nB, nB)
+        scores = xattention_scores(q, k, block_size, stride, backend, lengths)  # (B, Hkv, nB, nB)
     return xattention_select(scores, threshold)

@@ -197,6 +197,87 @@ def test_block_mask_triton_matches_reference_gpu():
     assert (got == want).float().mean().item() > 0.999
 
 # -----------------------------------------------------------------------------
+# Right padding: with lengths (B,), sample b is scored as if it were only its lengths[b] tokens.
+
+
+def padded_qk(B, Hkv, G, S, D, lens, seed, dtype=torch.float32, device="cpu"):
+    """Random q, k whose tokens from lengths[b] on are junk of a much larger scale: if padding
+    reached a real row's softmax at all, it would dominate it."""
+    q, k = random_qk(B, Hkv, G, S, D, seed, dtype, device)
+    junk_q, junk_k = random_qk(B, Hkv, G, S, D, seed + 1, dtype, device)
+    pad = (torch.arange(S, device=device).view(1, 1, S, 1) >= lens.to(device).view(B, 1, 1, 1))
+    return torch.where(pad, 30 * junk_q, q), torch.where(pad, 30 * junk_k, k)
+
+
+def truncated_scores(q, k, lens, block_size, stride):
+    """Each sample scored alone on its real tokens, zero-padded to the padded batch's (nB, nB)."""
+    B, Hkv, nB = q.shape[0], k.shape[1], masks.num_blocks(q.shape[2], block_size)
+    out = torch.zeros(B, Hkv, nB, nB, dtype=torch.float64)
+    for b, L in enumerate(lens.tolist()):
+        n = masks.num_blocks(L, block_size)
+        out[b, :, :n, :n] = xattention.xattention_scores_naive(q[b:b + 1, :, :L], k[b:b + 1, :, :L],
+                                                               block_size, stride)[0].double()
+    return out
+
+
+@SETTINGS
+@given(S=st.integers(1, 120), G=st.sampled_from([1, 2]), block_stride=st.sampled_from([(8, 4), (16, 4), (16, 16)]),
+       seed=st.integers(0, 999), data=st.data())
+def test_naive_scores_ignore_right_padding(S, G, block_stride, seed, data):
+    block_size, stride = block_stride
+    lens = torch.tensor(data.draw(st.lists(st.integers(1, S), min_size=2, max_size=2)))
+    q, k = padded_qk(2, 2, G, S, 8, lens, seed, dtype=torch.float64)
+    got = xattention.xattention_scores_naive(q, k, block_size, stride, lengths=lens)
+    assert_close(got, truncated_scores(q, k, lens, block_size, stride), 1e-12, 1e-12, f"lengths {lens.tolist()}")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("S,lens,block_size,stride,G", [
+    (97, [97, 40], 16, 4, 2),     # one sample unpadded, one padded mid-block and mid-group
+    (130, [1, 65], 64, 16, 4),    # a single real token; g = 4 groups per block
+    (300, [300, 131], 8, 4, 3),   # several score tiles per program (BLOCK_N 16), G = 3 padded to 4
+])
+def test_triton_scores_with_lengths_match_naive(S, lens, block_size, stride, G, dtype):
+    lens = torch.tensor(lens)
+    q, k = padded_qk(2, 2, G, S, 16, lens, seed=S, dtype=dtype, device=TRITON_DEVICE)
+    got = xattention.xattention_scores(q, k, block_size, stride, backend="triton", lengths=lens.to(TRITON_DEVICE),
+                                       BLOCK_N=16)
+    want = xattention.xattention_scores_naive(q, k, block_size, stride, lengths=lens)
+    assert_close(got, want, what=f"lengths {lens.tolist()} {dtype}", **triton_tol(dtype, TRITON_DEVICE))
+    assert_close(want, truncated_scores(q, k, lens, block_size, stride), 1e-5, 1e-5, "naive vs truncated")
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_block_mask_rows_of_real_tokens_ignore_padding(backend):
+    """Junk appended after lengths[b] changes no block-mask row that covers a real token: those rows
+    are the mask of the sample alone (threshold 0.5, where a changed score does change blocks)."""
+    B, S, bs, stride = 3, 160, 16, 4
+    lens = torch.tensor([160, 75, 17])
+    q, k = padded_qk(B, 2, 2, S, 16, lens, seed=11, device=TRITON_DEVICE)
+    q = q + 2 * q[:, :, :1]                       # some structure: every query leans one way
+    mask = xattention.xattention_block_mask(q, k, bs, stride, 0.5, backend, lengths=lens.to(TRITON_DEVICE)).cpu()
+    for b, L in enumerate(lens.tolist()):
+        n = masks.num_blocks(L, bs)
+        alone = xattention.xattention_block_mask(q[b:b + 1, :, :L], k[b:b + 1, :, :L], bs, stride, 0.5, backend).cpu()
+        assert torch.equal(mask[b, :, :n, :n], alone[0]), f"sample {b} (length {L}): rows of real tokens differ"
+        assert not mask[b, :, :n, n:].any()       # causal: real rows see no later block
+    if backend == "reference":                    # without lengths the junk does move real rows
+        blind = xattention.xattention_block_mask(q, k, bs, stride, 0.5, backend)
+        assert not torch.equal(blind[1, :, :5, :5], mask[1, :, :5, :5])
+
+
+def test_lengths_are_checked():
+    q, k = random_qk(2, 1, 1, 40, 8, seed=0)
+    for bad, match in ((torch.tensor([0, 40]), r"lengths must be in \[1, S=40\]"),
+                       (torch.tensor([41, 40]), r"lengths must be in \[1, S=40\]"),
+                       (torch.tensor([40.0, 40.0]), "integer tensor"), (torch.tensor([40]), r"\(B,\) = \(2,\)")):
+        with pytest.raises(ValueError, match=match):
+            xattention.xattention_block_mask(q, k, 16, 4, 0.9, lengths=bad)
+        with pytest.raises(ValueError, match=match):
+            xattention.xattention_scores_naive(q, k, 16, 4, lengths=bad)
+
+# -----------------------------------------------------------------------------
 # Picking: the properties xattention_select promises, on drawn scores.
 
 
