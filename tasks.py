@@ -338,15 +338,6 @@ def answer_accuracy(logits, targets):
     return torch.where(n > 0, correct.sum(1).float() / n.clamp(min=1), torch.nan)  # (B,)
 
 
-def per_task_mean(values, task_ids):
-    """Mean of a per-sample (B,) quantity (accuracy, Ω_MSR, ...) per task present in the batch:
-    {task name: float}, in TASKS order."""
-    values = values.detach().double().cpu()
-    task_ids = task_ids.cpu()
-    return {t.name: float(values[task_ids == t.task_id].mean()) for t in TASKS
-            if (task_ids == t.task_id).any()}
-
-
 def retrieval_scores(rows, needle_pos, n_kv_heads):
     """The retrieval score of every head (METHOD.md §8, App. C, after Wu et al. 2024): attention
     mass from the query position onto the needle tokens, averaged over prompts.

@@ -100,7 +100,10 @@ def test_batches_are_balanced_and_labelled():
     assert torch.equal(b["sensitive"], sensitive)
     b = T.make_batch(["periodic"], 3, 200, 32, 4, seed=3)
     assert (b["task_ids"] == T.get_task("periodic").task_id).all()
-    assert set(T.SENSITIVE) | set(T.ROBUST) == set(T.TASK_NAMES) and len(T.SENSITIVE) >= 2 <= len(T.ROBUST)
+    # Each task is in exactly one of the two categories (a misspelt category would drop it from
+    # both), and each category has tasks: the experiment gives each its own sparsity target.
+    assert sorted(T.SENSITIVE + T.ROBUST) == sorted(T.TASK_NAMES), (T.SENSITIVE, T.ROBUST)
+    assert T.SENSITIVE and T.ROBUST
 
 # -----------------------------------------------------------------------------
 # Reproducibility and the held-out split.
@@ -239,8 +242,6 @@ def test_answer_accuracy_counts_argmax_hits_over_answer_tokens_only():
     logits[:, 2, 5] = 9.0   # a non-answer position, ignored whatever it predicts
     acc = T.answer_accuracy(logits, targets)
     assert acc.tolist() == [0.5, 1.0]
-    per_task = T.per_task_mean(torch.tensor([0.5, 1.0, 0.0]), torch.tensor([0, 0, 2]))
-    assert per_task == {"kv_recall": 0.75, "periodic": 0.0}
 
 
 def test_perfect_logits_score_one_on_a_real_batch():
