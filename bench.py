@@ -19,6 +19,7 @@ and prints a compact table last.
     python bench.py                      # the full grid (several minutes on an H200)
     python bench.py --quick              # S = 8K, 32K; f = 0, 0.5, 1
     python bench.py --tune               # also time a few tile configs of our kernel at one S
+    python bench.py --decode             # decode: compact per-head KV cache vs full-cache peers
 Without CUDA it runs a tiny smoke test on the CPU (Triton interpreter, eager Flex, wall clock).
 """
 import argparse
@@ -72,6 +73,10 @@ parser.add_argument("--xa", action="store_true", help="also time FA-XA: XAttenti
 parser.add_argument("--xa-only", action="store_true", help="only the FA-XA section")
 parser.add_argument("--xa-stride", type=int, default=16 if CUDA else 4, help="XAttention stride (paper 16)")
 parser.add_argument("--xa-threshold", type=float, default=0.9, help="XAttention kept mass (paper 0.9)")
+parser.add_argument("--decode", action="store_true", help="only the decode section (compact KV cache)")
+parser.add_argument("--decode-tune", action="store_true", help="decode: time a few kernel configs at 128K")
+parser.add_argument("--decode-flex-budget-s", type=float, default=120.0,
+                    help="decode: skip FlexAttention (a compile per shape) once the section ran this long")
 args = parser.parse_args()
 if args.quick:
     args.seq_lens, args.fracs = ("8192,32768" if CUDA else "256"), "0,0.5,1"
@@ -518,8 +523,150 @@ def print_table(runs):
               f"{fmt(r.get('flex_diff'), '.1e')}/{fmt(r.get('split_diff'), '.1e')}")
 
 
+# ----------------------------------------------------------------------------------------------
+# Decode (--decode): one new token per sample against a KV cache of S tokens, per (S, batch, f).
+# The compact cache (decode.py) holds sink + window rows for a STREAMING head and S for the others;
+# every peer holds S rows for every head:
+#     ours     decode.decode_attention over the compact cache (split-K Triton kernel)
+#     masked   the model's reference decode: a masks.hybrid_mask row + masks.masked_attention (fp32)
+#     sdpa     torch SDPA, the one query over the whole cache (decoding without sparse heads)
+#     flex     compiled FlexAttention over the whole cache with a per-head streaming mask (it skips
+#              masked-out blocks; one compile per shape, so only at the longest S, f = 0.75)
+# Memory-bound: each reads its K/V once, so GB/s = bytes read / time, against the measured copy
+# bandwidth, and the bandwidth-ideal speedup over sdpa is full bytes / compact bytes.
+
+
+def decode_bench():
+    import decode
+    import elastic_attention
+    small = elastic_attention.Config.preset("gpu" if "gpu" in elastic_attention.PRESETS else "long")
+    shapes = [  # (name, Hq, Hkv, D, sink, window, context lengths, batches); the quick one first
+        ("small", small.n_heads, small.n_kv_heads, small.head_dim, small.sink, small.window,
+         [small.max_seq_len] if CUDA else [256], [1, 16] if CUDA else [1]),
+        ("llama3-8b", args.heads, args.kv_heads, args.head_dim, args.sink, args.window,
+         [8192, 32768, 131072] if CUDA else [256], [1, 16] if CUDA else [1]),
+    ]
+    t_start = time.perf_counter()
+    gen = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    src = torch.empty(2 ** 30 if CUDA else 2 ** 20, dtype=torch.float32, device=device)  # 4 GB on a GPU
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() * 4 / bench_ms(lambda: dst.copy_(src)) / 1e6   # read + write
+    del src, dst
+    env = dict(torch=torch.__version__, triton=__import__("triton").__version__,
+               device=torch.cuda.get_device_name() if CUDA else "cpu (interpreter smoke test)",
+               copy_GBps=copy_gbs, sdpa_enable_gqa=SDPA_GQA)
+    print(env, flush=True)
+    results = dict(env=env, args=vars(args), decode=[], tune=[])
+
+    def sdpa_decode(q, k, v):  # q (B, Hq, D) → (B, Hq, D): no mask, the last token sees the whole cache
+        g = q.shape[1] // k.shape[1]
+        if SDPA_GQA:
+            with torch.nn.attention.sdpa_kernel(FAST_SDPA):
+                return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+        return F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(g, 1),
+                                              v.repeat_interleave(g, 1))[:, :, 0]
+
+    def masked_decode(q, k, v, modes, sink, window):  # what Transformer.decode_step(cache="full") does
+        S = k.shape[2]
+        mask = masks.hybrid_mask(S, modes, sink, window, q_idx=torch.tensor([S - 1]))  # (B, Hkv, 1, S)
+        return masks.masked_attention(q[:, :, None], k, v, mask)[:, :, 0]
+
+    def flex_decode_fn(q, k, v, modes, sink, window):
+        from torch.nn.attention.flex_attention import create_block_mask
+        S, g = k.shape[2], q.shape[1] // k.shape[1]
+        stream_q = (modes[0] == STREAMING).repeat_interleave(g).contiguous()  # (Hq,), same for every sample
+
+        def mask_mod(b, h, q_idx, kv_idx):  # the one query sits at position S - 1
+            return ~stream_q[h] | (kv_idx < sink) | (S - 1 - kv_idx < window)
+        bm = create_block_mask(mask_mod, None, q.shape[1], 1, S, device=device)
+        return lambda: flex(q[:, :, None], k, v, block_mask=bm, enable_gqa=True)[:, :, 0]
+
+    for name, hq, hkv, d, sink, window, lengths, batches in shapes:
+        perm = torch.randperm(hkv, generator=gen)
+        for S in lengths:
+            for bsz in batches:
+                # Drawn on the device: 16 × 128K × 8 heads is 2·10⁹ numbers per tensor.
+                k = torch.randn(bsz, hkv, S, d, device=device, dtype=dtype)        # (B, Hkv, S, D)
+                v = torch.randn(bsz, hkv, S, d, device=device, dtype=dtype)
+                q = torch.randn(bsz, hq, d, device=device, dtype=dtype)            # (B, Hq, D)
+                full_bytes = 2 * k.numel() * k.element_size()
+                sdpa_ms = bench_ms(lambda: sdpa_decode(q, k, v))
+                masked_ms = None
+                for frac in (0.0, 0.5, 0.75, 1.0):
+                    modes = torch.full((bsz, hkv), FULL, dtype=torch.int32)
+                    modes[:, perm[:round(frac * hkv)]] = STREAMING
+                    modes = modes.to(device)
+                    cache = decode.KVCache.from_prefill([k], [v], [modes], sink, window, S)
+                    args_c = (q, cache.k[0], cache.v[0], cache.start[0], cache.cap[0], S)
+                    ref = masked_decode(q, k, v, modes, sink, window)
+                    if masked_ms is None:  # the same work at every f: time it once
+                        masked_ms = bench_ms(lambda: masked_decode(q, k, v, modes, sink, window))
+                    if args.decode_tune and name == "llama3-8b" and S == lengths[-1] and bsz == 1 \
+                            and frac == 0.75 and CUDA:
+                        for cfg in ((64, 4, 3, 256), (128, 4, 3, 256), (64, 8, 3, 256), (32, 4, 4, 256),
+                                    (64, 4, 3, 1024)):
+                            try:
+                                ms = bench_ms(lambda: decode.decode_attention(*args_c, max_cap=cache.max_cap[0],
+                                                                              config=cfg))
+                            except Exception as e:  # noqa: BLE001 (a config that does not compile is reported)
+                                ms = f"{type(e).__name__}: {str(e)[:200]}"
+                            results["tune"].append(dict(config=cfg, ms=ms))
+                            print(f"  decode tune {cfg}: {ms}", flush=True)
+                    ours = lambda: decode.decode_attention(*args_c, max_cap=cache.max_cap[0])  # noqa: E731
+                    out = ours()
+                    ours_ms = bench_ms(ours)
+                    compact = cache.nbytes()
+                    rec = dict(model=name, S=S, B=bsz, frac=frac, Hq=hq, Hkv=hkv, D=d, sink=sink, window=window,
+                               full_bytes_per_sample=full_bytes / bsz, compact_bytes_per_sample=compact / bsz,
+                               saved=1 - compact / full_bytes,
+                               ideal_saved=round(frac * hkv) / hkv * (1 - min(sink + window, S) / S),
+                               ours_ms=ours_ms, masked_ms=masked_ms, sdpa_ms=sdpa_ms,
+                               ours_GBps=compact / ours_ms / 1e6, sdpa_GBps=full_bytes / sdpa_ms / 1e6,
+                               ideal_speedup=full_bytes / compact, diff_vs_masked=max_diff(out, ref))
+                    rec["speedup_vs_sdpa"] = sdpa_ms / ours_ms
+                    rec["of_ideal"] = rec["speedup_vs_sdpa"] / rec["ideal_speedup"]
+                    rec["speedup_vs_masked"] = masked_ms / ours_ms
+                    rec["ours_of_copy_bw"] = rec["ours_GBps"] / copy_gbs
+                    flex_time_left = time.perf_counter() - t_start < args.decode_flex_budget_s
+                    if frac == 0.75 and S == lengths[-1] and name == "llama3-8b" and flex_time_left:
+                        try:
+                            run_peer("flex", flex_decode_fn(q, k, v, modes, sink, window), out, rec)
+                        except Exception as e:  # noqa: BLE001 (building the mask failed)
+                            rec["flex_ms"], rec["flex_error"] = None, f"{type(e).__name__}: {str(e)[:300]}"
+                    results["decode"].append(rec)
+                    print(f"{name} S={S} B={bsz} f={frac}: ours {1e3 * ours_ms:.1f} us "
+                          f"({rec['ours_GBps']:.0f} GB/s), sdpa {1e3 * sdpa_ms:.1f} us, masked "
+                          f"{1e3 * masked_ms:.1f} us, flex {rec.get('flex_ms')}, saved {rec['saved']:.4f} "
+                          f"(ideal {rec['ideal_saved']:.4f}), diff {rec['diff_vs_masked']:.1e}", flush=True)
+                    del cache, args_c, out, ref
+                del k, v, q
+                if CUDA:
+                    torch.cuda.empty_cache()
+                with open(os.path.join(args.out, "decode.json"), "w") as f:  # partial runs survive
+                    json.dump(results, f, indent=1)
+    print_decode_table(results["decode"], copy_gbs)
+
+
+def print_decode_table(rows, copy_gbs):
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+    print(f"\ndecode, one token: times in us; GB/s of the bytes each reads (copy bandwidth {copy_gbs:.0f} GB/s)")
+    print("model        S   B     f  KV MB/sample  saved (ideal)    ours  GB/s    masked     sdpa  GB/s     flex"
+          "  vs sdpa (ideal, of ideal)  vs masked")
+    for r in rows:
+        print(f"{r['model']:<9} {r['S']:>6} {r['B']:>3}  {r['frac']:4.2f}  {r['compact_bytes_per_sample'] / 1e6:6.1f}/"
+              f"{r['full_bytes_per_sample'] / 1e6:<6.1f} {r['saved']:6.4f} ({r['ideal_saved']:6.4f})  "
+              f"{1e3 * r['ours_ms']:6.1f}  {r['ours_GBps']:4.0f}  {1e3 * r['masked_ms']:8.1f}  "
+              f"{1e3 * r['sdpa_ms']:7.1f}  {r['sdpa_GBps']:4.0f}  {fmt(r.get('flex_ms') and 1e3 * r['flex_ms'], '7.1f'):>7}  "
+              f"{r['speedup_vs_sdpa']:5.2f}x ({r['ideal_speedup']:5.2f}x, {r['of_ideal']:4.0%})  "
+              f"{r['speedup_vs_masked']:7.1f}x")
+
+
 if __name__ == "__main__":
-    if args.replot:
+    if args.decode:
+        decode_bench()
+    elif args.replot:
         with open(args.replot) as f:
             runs = json.load(f)["runs"]
         plot(runs)
