@@ -30,7 +30,7 @@ import glob
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -109,23 +109,61 @@ class Config:
 
     @classmethod
     def from_hf(cls, hf):
-        """From a Hugging Face Llama / Qwen3 config.json dict."""
-        if hf.get("model_type") not in ("llama", "qwen3"):
-            raise ValueError(f"only llama and qwen3 configs are supported, got model_type={hf.get('model_type')!r}")
+        """From a Hugging Face Llama / Qwen3 config.json dict. A field left out takes HF's default
+        for that model type. Anything this model does not compute the way HF does is refused,
+        naming the field: another activation, biases, sliding-window layers, RoPE other than the
+        default and Llama 3.1's, partial rotary, quantized weights. Accepted because they do not
+        change an evaluation forward: attention_dropout (training only), pretraining_tp (HF only
+        slices its matmuls), Qwen3's sliding_window while use_sliding_window is false."""
+        model_type = hf.get("model_type")
+        if model_type not in ("llama", "qwen3"):
+            raise ValueError(f"only llama and qwen3 configs are supported, got model_type={model_type!r}")
+        missing = [f for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "intermediate_size") if f not in hf]
+        if missing:
+            raise ValueError(f"HF config lacks required fields {missing}")
+        unsupported = []
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):   # HF maps both names to SiLU
+            unsupported.append(f"hidden_act={hf['hidden_act']!r} (only SiLU, the SwiGLU MLP, is implemented)")
+        for field in ("attention_bias", "mlp_bias"):
+            if hf.get(field):
+                unsupported.append(f"{field}={hf[field]!r} (the projections here have no bias)")
+        if model_type == "qwen3" and hf.get("use_sliding_window"):
+            unsupported.append(f"use_sliding_window={hf['use_sliding_window']!r} (sliding-window layers)")
+        if model_type == "llama" and hf.get("sliding_window") is not None:
+            unsupported.append(f"sliding_window={hf['sliding_window']!r} (Llama has no sliding-window layers)")
+        if any(t != "full_attention" for t in hf.get("layer_types") or ()):
+            unsupported.append(f"layer_types={hf['layer_types']!r} (every layer must be full_attention)")
+        if hf.get("quantization_config"):
+            unsupported.append("quantization_config (quantized weights)")
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope scaling {rope_type!r} (default and llama3 are implemented)")
+            unsupported.append(f"rope scaling {rope_type!r} (default and llama3 are implemented)")
+        if rope_type == "llama3":
+            lacking = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings") if k not in rope]
+            if lacking:
+                unsupported.append(f"llama3 rope scaling without {lacking}")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            unsupported.append(f"partial_rotary_factor={rope['partial_rotary_factor']!r} (RoPE rotates all of D)")
+        qwen3 = model_type == "qwen3"
+        head_dim = hf.get("head_dim") or (128 if qwen3 else hf["hidden_size"] // hf["num_attention_heads"])
+        if head_dim % 2:
+            unsupported.append(f"head_dim={head_dim} (rotate-half RoPE needs an even head dim)")
+        if unsupported:
+            raise ValueError(f"{model_type} config not implemented here: " + "; ".join(unsupported))
+        n_kv_heads = hf.get("num_key_value_heads", 32 if qwen3 else None)   # HF: None means no GQA
         return cls(
             vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
             n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            ffn_dim=hf["intermediate_size"],
+            n_kv_heads=hf["num_attention_heads"] if n_kv_heads is None else n_kv_heads,
+            head_dim=head_dim, ffn_dim=hf["intermediate_size"],
             rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=dict(rope) if rope_type == "llama3" else None,
-            norm_eps=hf.get("rms_norm_eps", 1e-6), max_seq_len=hf.get("max_position_embeddings", 4096),
-            tie_embeddings=hf.get("tie_word_embeddings", False), qk_norm=hf["model_type"] == "qwen3",
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_seq_len=hf.get("max_position_embeddings", 32768 if qwen3 else 2048),
+            tie_embeddings=hf.get("tie_word_embeddings", False), qk_norm=qwen3,
             sink=128, window=2048, block_size=64, xa_stride=16, pool_tokens=100)
 
 
@@ -534,13 +572,17 @@ def load_hf_state_dict(model, hf_state):
 
 
 def from_pretrained_hf(directory, **config_overrides):
-    """Build a Transformer from a local HF directory: config.json + *.safetensors (no downloads)."""
+    """Build a Transformer from a local HF directory: config.json + *.safetensors (no downloads).
+    The config is checked (Config.from_hf) before any weight is read."""
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{directory!r} has no config.json: expected a Hugging Face model directory")
+    with open(config_path) as f:
+        cfg = replace(Config.from_hf(json.load(f)), **config_overrides)
     try:
         from safetensors.torch import load_file
     except ImportError as e:
         raise ImportError("from_pretrained_hf reads *.safetensors: pip install safetensors") from e
-    with open(os.path.join(directory, "config.json")) as f:
-        cfg = replace(Config.from_hf(json.load(f)), **config_overrides)
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
@@ -552,6 +594,16 @@ def from_pretrained_hf(directory, **config_overrides):
 # -----------------------------------------------------------------------------
 # Checkpoints: the config travels with the weights, and loading into a different config fails loudly.
 
+# Config fields a checkpoint may be loaded under with another value (load_checkpoint's cfg):
+# sink and window are an experiment knob (the same weights under another streaming geometry);
+# max_seq_len only sizes the RoPE table (a position's rotation does not depend on it); backend and
+# gate are run-time choices (which attention code runs, which gate trains the routers).
+FREE_FIELDS = ("sink", "window", "max_seq_len", "backend", "gate")
+# What routers learned depends on these, so they must match when the checkpoint holds routers; a
+# dense backbone runs every head FULL whatever they are, so it may be loaded under any of them.
+ROUTER_FIELDS = ("head_config", "block_size", "xa_stride", "xa_threshold", "pool_tokens", "router_hidden_mult")
+
+
 def save_checkpoint(path, model, **extra):
     """Atomic write (temp file + rename), so an interrupted save leaves the previous file intact."""
     state = {k: v for k, v in model.state_dict().items()}
@@ -560,21 +612,60 @@ def save_checkpoint(path, model, **extra):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, cfg=None, map_location="cpu"):
-    """(model, checkpoint dict). With cfg given, every field that shapes the weights must match."""
+def read_checkpoint(path, map_location="cpu"):
+    """The dict save_checkpoint wrote, or a ValueError saying what the file is instead."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    expected = "expected the keys 'config' and 'model' that save_checkpoint writes"
+    if os.path.isdir(path):
+        raise ValueError(f"checkpoint {path!r} is a directory; {expected} in a file")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:   # torch.load fails in many ways (zip, pickle, OS errors); all mean "unreadable"
+        with open(path, "rb") as f:
+            is_zip = f.read(4) == b"PK\x03\x04"   # torch.save writes a zip archive
+        what = "a torch file that is truncated or damaged" if is_zip else "not a file written by torch.save"
+        raise ValueError(f"checkpoint {path!r} is {what} ({type(e).__name__}: {e}); {expected}") from None
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"checkpoint {path!r} holds a {type(ckpt).__name__}; {expected}")
+    if "config" not in ckpt or "model" not in ckpt:
+        keys = sorted(str(k) for k in ckpt)
+        if "routers" in ckpt or "lagrangian" in ckpt:
+            what = "a router-training checkpoint (train_router.py's router.pt, for --resume)"
+        elif ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+            what = "a plain state_dict (load it with model.load_state_dict, or load_hf_state_dict)"
+        else:
+            what = "a dict"
+        raise ValueError(f"checkpoint {path!r} is {what} with keys {keys[:6]}{' ...' if len(keys) > 6 else ''}; "
+                         f"{expected}")
+    unknown = sorted(set(ckpt["config"]) - {f.name for f in fields(Config)})
+    if unknown:
+        raise ValueError(f"checkpoint {path!r} has unknown config fields {unknown} (written by other code?)")
+    return ckpt
+
+
+def load_checkpoint(path, cfg=None, map_location="cpu"):
+    """(model, checkpoint dict) from a save_checkpoint file.
+
+    With cfg given, the model is built with cfg, which must agree with the saved config on every
+    field except FREE_FIELDS (sink, window, max_seq_len, backend, gate), and, for a checkpoint
+    without routers, ROUTER_FIELDS; a ValueError names each other difference, saved vs wanted.
+    """
+    ckpt = read_checkpoint(path, map_location)
     saved = Config(**ckpt["config"])
+    has_routers = any(".router." in k for k in ckpt["model"])
     if cfg is not None:
-        shape_fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                        "tie_embeddings", "qk_norm", "router_hidden_mult")
-        diff = {f: (getattr(saved, f), getattr(cfg, f)) for f in shape_fields if getattr(saved, f) != getattr(cfg, f)}
+        free = FREE_FIELDS if has_routers else FREE_FIELDS + ROUTER_FIELDS
+        diff = [f"{f.name} saved {getattr(saved, f.name)!r}, wanted {getattr(cfg, f.name)!r}"
+                for f in fields(Config) if f.name not in free and getattr(saved, f.name) != getattr(cfg, f.name)]
         if diff:
-            raise ValueError(f"checkpoint {path!r} was made with a different config (saved, wanted): {diff}")
+            raise ValueError(f"checkpoint {path!r} was made with a different config: " + "; ".join(diff))
         saved = cfg
     model = Transformer(saved)
-    if any(".router." in k for k in ckpt["model"]):
+    if has_routers:
         model.attach_routers(static=any(k.endswith(".router.log_alpha") for k in ckpt["model"]))
-    model.load_state_dict(ckpt["model"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:   # its weights do not fit its own config: written by other code
+        raise ValueError(f"checkpoint {path!r}: the weights do not fit the saved config: {e}") from None
     return model, ckpt
