@@ -4,7 +4,7 @@ Read top to bottom, this file follows the paper's Section 3 and Appendix F:
 
     1. the gate       a router logit log α per (sample, KV head) -> a hard 0/1 decision that still
                       passes a gradient (hard-concrete, Louizos et al. 2018; the paper's
-                      Gumbel-sigmoid with its temperature schedules as the alternative)
+                      Gumbel-sigmoid with a temperature schedule as the alternative)
     2. the router     boundary-pooled pre-RoPE keys -> task MLP -> router MLP -> log α  (§4)
     3. the objective  Ω_MSR and the per-task Lagrangian λ1·(Ω − t) + λ2·(Ω − t)²    (§6)
     4. training       freeze the backbone, AdamW with a maximising λ group, cosine schedule
@@ -150,7 +150,8 @@ def _check_progress(progress):
 
 
 def tau_cosine(progress, tau_start=1.5, tau_end=1.0, anneal_frac=0.6):
-    """The authors' code: cosine from 1.5 to 1.0 over the first 60 % of training, then flat."""
+    """The authors' code: cosine from 1.5 to 1.0 over the first 60 % of training, then flat. (The
+    paper writes an exponential decay, METHOD.md §5; the code is what their results come from.)"""
     _check_progress(progress)
     p = min(1.0, progress / anneal_frac)
     return tau_end + (tau_start - tau_end) * 0.5 * (1.0 + math.cos(math.pi * p))
