@@ -20,7 +20,7 @@ from masks import BLOCK_SPARSE, FULL, STREAMING
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 MODEL_SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-KERNEL_SETTINGS = settings(max_examples=40 if CUDA else 8, deadline=None,
+KERNEL_SETTINGS = settings(max_examples=25 if CUDA else 8, deadline=None,
                            suppress_health_check=[HealthCheck.too_slow])
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4}
 KERNEL_DTYPES = [torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
