@@ -612,11 +612,13 @@ def save_checkpoint(path, model, **extra):
     os.replace(tmp, path)
 
 
-def read_checkpoint(path, map_location="cpu"):
-    """The dict save_checkpoint wrote, or a ValueError saying what the file is instead."""
+def read_checkpoint(path, map_location="cpu", keys=("config", "model")):
+    """The dict torch.load reads from path, holding at least `keys` (default: what save_checkpoint
+    writes), or a ValueError saying what the file is instead: a directory, not a torch file, a
+    truncated one, a plain state_dict, a router-training or a model checkpoint, another dict."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    expected = "expected the keys 'config' and 'model' that save_checkpoint writes"
+    expected = f"expected a dict with the keys {', '.join(map(repr, keys))}"
     if os.path.isdir(path):
         raise ValueError(f"checkpoint {path!r} is a directory; {expected} in a file")
     try:
@@ -628,19 +630,18 @@ def read_checkpoint(path, map_location="cpu"):
         raise ValueError(f"checkpoint {path!r} is {what} ({type(e).__name__}: {e}); {expected}") from None
     if not isinstance(ckpt, dict):
         raise ValueError(f"checkpoint {path!r} holds a {type(ckpt).__name__}; {expected}")
-    if "config" not in ckpt or "model" not in ckpt:
-        keys = sorted(str(k) for k in ckpt)
+    if any(k not in ckpt for k in keys):
         if "routers" in ckpt or "lagrangian" in ckpt:
             what = "a router-training checkpoint (train_router.py's router.pt, for --resume)"
+        elif "config" in ckpt and "model" in ckpt:
+            what = "a model checkpoint (save_checkpoint's; load it with load_checkpoint)"
         elif ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
             what = "a plain state_dict (load it with model.load_state_dict, or load_hf_state_dict)"
         else:
             what = "a dict"
-        raise ValueError(f"checkpoint {path!r} is {what} with keys {keys[:6]}{' ...' if len(keys) > 6 else ''}; "
+        have = sorted(str(k) for k in ckpt)
+        raise ValueError(f"checkpoint {path!r} is {what} with keys {have[:6]}{' ...' if len(have) > 6 else ''}; "
                          f"{expected}")
-    unknown = sorted(set(ckpt["config"]) - {f.name for f in fields(Config)})
-    if unknown:
-        raise ValueError(f"checkpoint {path!r} has unknown config fields {unknown} (written by other code?)")
     return ckpt
 
 
@@ -652,6 +653,9 @@ def load_checkpoint(path, cfg=None, map_location="cpu"):
     without routers, ROUTER_FIELDS; a ValueError names each other difference, saved vs wanted.
     """
     ckpt = read_checkpoint(path, map_location)
+    unknown = sorted(set(ckpt["config"]) - {f.name for f in fields(Config)})
+    if unknown:
+        raise ValueError(f"checkpoint {path!r} has unknown config fields {unknown} (written by other code?)")
     saved = Config(**ckpt["config"])
     has_routers = any(".router." in k for k in ckpt["model"])
     if cfg is not None:

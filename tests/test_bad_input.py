@@ -94,7 +94,7 @@ def test_truncated_checkpoint(tmp_path):
 def test_plain_state_dict(tmp_path):
     path = str(tmp_path / "sd.pt")
     torch.save(E.Transformer(tiny()).state_dict(), path)
-    with pytest.raises(ValueError, match="plain state_dict.*expected the keys 'config' and 'model'"):
+    with pytest.raises(ValueError, match="plain state_dict.*expected a dict with the keys 'config', 'model'"):
         E.load_checkpoint(path)
 
 
@@ -102,8 +102,16 @@ def test_router_training_checkpoint(tmp_path):
     """train_router.py's router.pt (for --resume) is not a model checkpoint."""
     path = str(tmp_path / "router.pt")
     torch.save(dict(config={}, routers={}, lagrangian={}, optimizer={}, scheduler={}, step=0, log=[]), path)
-    with pytest.raises(ValueError, match="router-training checkpoint.*expected the keys 'config' and 'model'"):
+    with pytest.raises(ValueError, match="router-training checkpoint.*expected a dict with the keys 'config', 'model'"):
         E.load_checkpoint(path)
+
+
+def test_read_checkpoint_with_other_keys(tmp_path):
+    """What train_router's --resume needs: a router.pt; a model checkpoint is named as such."""
+    path, _ = saved(tmp_path, tiny())
+    with pytest.raises(ValueError, match="is a model checkpoint.*expected a dict with the keys 'config', 'routers'"):
+        E.read_checkpoint(path, keys=("config", "routers"))
+    assert E.read_checkpoint(path)["step"] == 3
 
 
 @pytest.mark.parametrize("what", ["readme", "tensor", "directory"])
