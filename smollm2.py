@@ -352,13 +352,19 @@ def _prose_paragraphs(text):
 
 
 def load_text(split):
-    """The paragraphs of one split ("train" or "eval"), in a fixed order: topic by topic, sorted."""
+    """The paragraphs of one split ("train" or "eval"), in a fixed order: topic by topic, sorted.
+    Some topics repeat sections of others: a paragraph appears once, in eval if any eval topic has it."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     from pydoc_data.topics import topics
     names = sorted(topics)
-    held_out = {n for i, n in enumerate(names) if i % EVAL_EVERY == 1}
-    return [p for n in names if (n in held_out) == (split == "eval") for p in _prose_paragraphs(topics[n])]
+    held_out = [n for i, n in enumerate(names) if i % EVAL_EVERY == 1]
+    eval_paras = list(dict.fromkeys(p for n in held_out for p in _prose_paragraphs(topics[n])))
+    if split == "eval":
+        return eval_paras
+    seen = set(eval_paras)
+    train = (p for n in names if n not in held_out for p in _prose_paragraphs(topics[n]))
+    return [p for p in dict.fromkeys(train) if p not in seen]
 
 
 def text_fingerprint():

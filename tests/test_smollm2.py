@@ -1,0 +1,420 @@
+"""smollm2.py on the CPU without the 98 MB download: a tiny random Llama written to a GGUF file with
+llama.cpp's own writer (Q/K rows permuted as its converter does, Q4_1 / Q8_0 / F16 / F32 tensors),
+loaded back by from_gguf and compared with the model it came from; a byte-level BPE trained on the
+spot for the tokenizer and the task builders; parity with transformers' GGUF loader where it is
+installed. One test uses the real file when it is already cached (skipped otherwise).
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="smollm2 needs the `gguf` package (pip install -e '.[test]')")
+tokenizers = pytest.importorskip("tokenizers", reason="smollm2 needs `tokenizers` (pip install -e '.[test]')")
+
+import elastic_attention as E  # noqa: E402
+import masks  # noqa: E402
+import smollm2 as M  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+            "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
+            "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# -----------------------------------------------------------------------------
+# Fixtures: a byte-level BPE trained on a few topics, a tiny random Llama, GGUF files of both.
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """(tokens by id, merges) of a 600-token byte-level BPE with SmolLM2's pre-tokenizer."""
+    from tokenizers import models, pre_tokenizers, trainers
+    from pydoc_data.topics import topics
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([topics[k] for k in sorted(topics)[:12]], trainer)
+    model = json.loads(tok.to_str())["model"]
+    vocab = model["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+def tiny_config(vocab, **kw):
+    return E.Config(vocab_size=vocab, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                    rope_theta=10000.0, norm_eps=1e-5, max_seq_len=2048, **kw)
+
+
+def random_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = E.Transformer(cfg).eval()
+    with torch.no_grad():  # norms start at 1: randomise every tensor so no mapping error hides
+        for p in model.parameters():
+            p.normal_(0, 0.05 if p.dim() > 1 else 1.0)
+    return model
+
+
+# llama.cpp names and the storage type each of our tensors gets in the test files.
+def gguf_name(ours):
+    rev = {v: k for k, v in M._GLOBAL_NAMES.items()}
+    if ours in rev:
+        return rev[ours]
+    _, i, *rest = ours.split(".")
+    sub = ".".join(rest)[:-len(".weight")]
+    return f"blk.{i}.{ {v: k for k, v in M._LAYER_NAMES.items()}[sub] }.weight"
+
+
+def storage(ours, quantized):
+    if not quantized or ours.endswith("norm.weight"):
+        return Q.F32
+    if ours == "embed_tokens.weight":
+        return Q.Q8_0
+    return Q.F16 if "v_proj" in ours or "o_proj" in ours else Q.Q4_1
+
+
+def write_gguf(path, model, tokens, merges, quantized=False, arch="llama", extra_kv=None):
+    """A GGUF as llama.cpp's converter writes it. Returns the float32 weights the file holds
+    (after quantise -> dequantise) in our layout: the reference the loaded model must equal."""
+    cfg = model.cfg
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.dim)
+    w.add_feed_forward_length(cfg.ffn_dim)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    for key, value in (extra_kv or {}).items():
+        w.add_string(key, value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_pad_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(TEMPLATE)
+    held = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            continue  # tied: no output.weight in the file
+        a = t.detach().float().numpy()
+        if name.endswith("q_proj.weight"):
+            a = M.permute_qk(a, cfg.n_heads)
+        elif name.endswith("k_proj.weight"):
+            a = M.permute_qk(a, cfg.n_kv_heads)
+        qt = storage(name, quantized)
+        if qt == Q.F32:
+            data, back = a, a
+        elif qt == Q.F16:
+            data = a.astype(np.float16)
+            back = data.astype(np.float32)
+        else:
+            data = gguf.quants.quantize(a, qt)
+            back = gguf.quants.dequantize(data, qt)
+        w.add_tensor(gguf_name(name), data, raw_dtype=None if qt in (Q.F32, Q.F16) else qt)
+        if name.endswith("q_proj.weight"):
+            back = M.unpermute_qk(back, cfg.n_heads)
+        elif name.endswith("k_proj.weight"):
+            back = M.unpermute_qk(back, cfg.n_kv_heads)
+        held[name] = torch.from_numpy(np.ascontiguousarray(back))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory, bpe):
+    """(path, reference model with exactly the file's weights): tied, Q4_1/Q8_0/F16/F32 tensors."""
+    tokens, merges = bpe
+    model = random_model(tiny_config(len(tokens), tie_embeddings=True))
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    held = write_gguf(path, model, tokens, merges, quantized=True)
+    ref = E.load_hf_state_dict(E.Transformer(model.cfg), held).eval()
+    return path, ref
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_file):
+    return M.Tokenizer.from_gguf(tiny_file[0])
+
+# -----------------------------------------------------------------------------
+# The loader.
+
+
+def test_permutation_round_trip():
+    w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)  # 4 heads of D = 8
+    p = M.permute_qk(w, 4)
+    assert not np.array_equal(p, w)
+    np.testing.assert_array_equal(M.unpermute_qk(p, 4), w)
+    # llama.cpp's layout pairs adjacent rows: head 0's rows 0 and 1 are HF's rows 0 and D/2 = 4.
+    np.testing.assert_array_equal(p[:2], w[[0, 4]])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_f32_gguf_gives_the_same_logits(tmp_path, bpe, tied):
+    tokens, merges = bpe
+    model = random_model(tiny_config(len(tokens), tie_embeddings=tied), seed=1)
+    path = str(tmp_path / "f32.gguf")
+    write_gguf(path, model, tokens, merges, quantized=False)
+    loaded, _ = M.from_gguf(path, sink=4, window=16, pool_tokens=8)
+    assert loaded.cfg.tie_embeddings == tied
+    for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "rope_theta",
+              "max_seq_len"):
+        assert getattr(loaded.cfg, f) == getattr(model.cfg, f), f
+    assert loaded.cfg.norm_eps == pytest.approx(model.cfg.norm_eps)
+    idx = torch.randint(0, len(tokens), (2, 70), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = model(idx)[0], loaded(idx)[0]
+    err = (got - want).abs().max().item()
+    assert err < 1e-5 * want.abs().max().item(), f"max |Δlogits| {err:.3e}"
+
+
+def test_quantized_gguf_dequantizes_exactly(tiny_file):
+    """Q4_1, Q8_0 and F16 tensors load as exactly the values llama.cpp's dequantiser gives."""
+    path, ref = tiny_file
+    loaded, _ = M.from_gguf(path)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert {Q.Q4_1, Q.Q8_0, Q.F16, Q.F32} <= set(types.values())
+    for name, t in ref.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    idx = torch.randint(0, ref.cfg.vocab_size, (2, 50), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx)[0], ref(idx)[0])
+
+
+def test_matches_transformers_gguf_loader(tiny_file):
+    transformers = pytest.importorskip("transformers", reason="parity with transformers' GGUF loader needs "
+                                       "transformers (not a dependency of this project)")
+    pytest.importorskip("accelerate", reason="transformers loads GGUF files only with accelerate installed")
+    path, _ = tiny_file
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                           dtype=torch.float32).eval()
+    ours, _ = M.from_gguf(path)
+    idx = torch.randint(0, ours.cfg.vocab_size, (2, 60), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, got = hf(idx).logits, ours(idx)[0]
+    err = (got - want).abs().max().item()
+    assert err < 1e-4 * want.abs().max().item(), f"max |Δlogits| {err:.3e} (logits up to {want.abs().max():.2f})"
+
+
+@pytest.mark.parametrize("arch, extra, key", [
+    ("qwen2", None, "general.architecture"),
+    ("llama", {"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.type"),
+])
+def test_refuses_what_the_model_does_not_implement(tmp_path, bpe, arch, extra, key):
+    tokens, merges = bpe
+    path = str(tmp_path / "bad.gguf")
+    write_gguf(path, random_model(tiny_config(len(tokens))), tokens, merges, arch=arch, extra_kv=extra)
+    if arch != "llama":  # the writer names the llama.* keys after the architecture
+        with pytest.raises(ValueError, match=key):
+            M.from_gguf(path)
+        return
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        M.from_gguf(path)
+
+
+def test_verify_gguf(tmp_path):
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="bytes, expected"):
+        M.verify_gguf(str(p))
+    import hashlib
+    good = hashlib.sha256(b"not a model").hexdigest()
+    assert M.verify_gguf(str(p), size=11, sha256=good) == str(p)
+    with pytest.raises(ValueError, match="sha256"):
+        M.verify_gguf(str(p), size=11, sha256="0" * 64)
+    with pytest.raises(ValueError, match="no GGUF file"):
+        M.verify_gguf(str(tmp_path / "missing.gguf"))
+
+# -----------------------------------------------------------------------------
+# The tokenizer.
+
+
+@pytest.mark.parametrize("text", [
+    "What is the capital of France?",
+    "  two spaces, a tab\there\n\nand 12345 digits: x=3.14",
+    "naïve café — 東京 🙂 it's they'll",
+    "<|im_start|> is written as text here",
+])
+def test_tokenizer_round_trip(tiny_tok, text):
+    ids = tiny_tok.encode(text)
+    assert tiny_tok.decode(ids, skip_special=False) == text
+
+
+def test_tokenizer_digits_and_chat(tiny_tok, bpe):
+    tokens, _ = bpe
+    ids = tiny_tok.encode("year 2024")
+    assert [tokens[i] for i in ids[-4:]] == ["2", "0", "2", "4"]  # SmolLM2 splits every digit
+    assert tiny_tok.system == "You are a tiny test model."  # read from the chat template
+    text = tiny_tok.chat_text("Hi")
+    assert text == ("<|im_start|>system\nYou are a tiny test model.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = tiny_tok.encode(text)
+    assert ids[0] == tokens.index("<|im_start|>") and ids.count(tokens.index("<|im_end|>")) == 2
+    assert tiny_tok.decode(ids, skip_special=False) == text
+    assert tiny_tok.eos_id == tiny_tok.pad_id == tokens.index("<|im_end|>")
+
+# -----------------------------------------------------------------------------
+# Text and tasks.
+
+
+def test_text_splits_are_disjoint_prose():
+    train, held_out = M.load_text("train"), M.load_text("eval")
+    assert len(train) > 2 * len(held_out) > 200
+    assert not set(train) & set(held_out)
+    for p in train + held_out:
+        assert len(p.split()) >= M.MIN_WORDS and "\n" not in p and not p.startswith(("+", "|", " "))
+    assert M.text_fingerprint().startswith("pydoc_data.topics (Python ")
+
+
+SEQ, WINDOW = 1536, 128
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_tok):
+    return M.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="eval", window=WINDOW)
+
+
+def test_batch_contract(tiny_tok, batch):
+    b = batch
+    B, S = b["tokens"].shape
+    assert B == 8 and S <= SEQ and S == int(b["lengths"].max())
+    for k, dtype, shape in (("targets", torch.long, (B, S)), ("task_ids", torch.long, (B,)),
+                            ("sensitive", torch.bool, (B,)), ("prompt_len", torch.long, (B,)),
+                            ("lengths", torch.long, (B,)), ("query_pos", torch.long, (B,)),
+                            ("needle_pos", torch.long, (B, M.MAX_NEEDLES))):
+        assert b[k].dtype == dtype and tuple(b[k].shape) == shape, k
+    assert sorted(b["task_ids"].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]  # balanced
+    assert torch.equal(b["sensitive"], torch.tensor([M.TASKS[i].category == "sensitive" for i in b["task_ids"]]))
+    assert torch.equal(b["query_pos"], b["prompt_len"] - 1)
+    im_start = tiny_tok.encode("<|im_start|>")[0]
+    for r in range(B):
+        P, L = int(b["prompt_len"][r]), int(b["lengths"][r])
+        assert L >= SEQ - 200, "documents fill the requested length"
+        assert (b["tokens"][r, L:] == tiny_tok.pad_id).all()
+        prompt = tiny_tok.decode(b["tokens"][r, :P], skip_special=False)
+        assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n") and b["tokens"][r, 0] == im_start
+        at = (b["targets"][r] != M.IGNORE).nonzero().flatten()
+        assert len(at) and at.min() >= P - 1 and at.max() < L - 1
+        assert torch.equal(b["targets"][r, at], b["tokens"][r, at + 1])   # the LM shift
+
+
+def test_tasks_place_their_evidence(tiny_tok, batch):
+    b = batch
+    for r in range(b["tokens"].shape[0]):
+        task = M.TASKS[int(b["task_ids"][r])]
+        P, q = int(b["prompt_len"][r]), int(b["query_pos"][r])
+        scored = tiny_tok.decode(b["targets"][r][b["targets"][r] != M.IGNORE])
+        needles = b["needle_pos"][r][b["needle_pos"][r] >= 0]
+        prompt = tiny_tok.decode(b["tokens"][r, :P], skip_special=False)
+        if task.category == "sensitive":
+            needle = tiny_tok.decode(b["tokens"][r, needles])
+            assert scored.strip() in needle and needle.strip() in prompt
+            assert torch.equal(needles, torch.arange(int(needles[0]), int(needles[-1]) + 1))  # one span
+            assert q - int(needles.max()) >= WINDOW + M.MARGIN, "beyond a streaming head's window"
+            assert int(needles.min()) >= 64, "beyond the sink"
+        else:
+            assert len(needles) == 0
+        if task.name == "recent_fact":
+            ids, offsets = tiny_tok.encode_offsets(prompt)
+            note = prompt.index("Note from")
+            first = next(i for i, (s, e) in enumerate(offsets) if e > note)
+            assert q - first <= 256, "the note is inside a streaming head's window"
+            assert scored in prompt[note:]
+        if task.metric == "nll":
+            assert (b["targets"][r] != M.IGNORE).sum() == M.CONTINUE_TOKENS
+        else:
+            assert scored.strip().isalnum()
+
+
+def test_batches_are_seeded_and_splits_differ(tiny_tok, batch):
+    again = M.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="eval", window=WINDOW)
+    assert all(torch.equal(batch[k], again[k]) for k in batch)
+    train = M.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="train", window=WINDOW)
+    held_out = set(M.load_text("eval"))
+    for r in range(8):
+        text = tiny_tok.decode(train["tokens"][r, :int(train["prompt_len"][r])])
+        assert not any(p in text for p in held_out)
+
+
+def test_make_batch_rejects_bad_input(tiny_tok):
+    with pytest.raises(ValueError, match="unknown task"):
+        M.make_batch(tiny_tok, ["passkey", "nope"], 2, SEQ, 0)
+    with pytest.raises(ValueError, match="split"):
+        M.make_batch(tiny_tok, None, 2, SEQ, 0, split="test")
+    with pytest.raises(ValueError, match="too short"):
+        M.make_batch(tiny_tok, ["passkey"], 2, 300, 0, window=256)
+    with pytest.raises(ValueError, match="depth"):
+        M.make_batch(tiny_tok, None, 2, SEQ, 0, depth=1.5)
+
+
+def test_scores():
+    V = 5
+    targets = torch.full((3, 6), M.IGNORE)
+    targets[0, 2:4] = torch.tensor([1, 2])
+    targets[1, 1:4] = torch.tensor([3, 3, 4])
+    logits = torch.zeros(3, 6, V)
+    logits[0, 2, 1] = logits[0, 3, 2] = 5.0          # row 0: both right
+    logits[1, 1, 3] = logits[1, 2, 3] = logits[1, 3, 0] = 5.0  # row 1: last one wrong
+    acc = M.answer_accuracy(logits, targets)
+    assert acc[:2].tolist() == [1.0, 0.0] and torch.isnan(acc[2])
+    want0 = torch.nn.functional.cross_entropy(logits[0, 2:4], targets[0, 2:4])
+    got = M.nll(logits, targets)
+    assert got[0] == pytest.approx(float(want0), rel=1e-6) and torch.isnan(got[2])
+    pos, tgt = M.scored_positions(targets)
+    assert pos.tolist() == [[2, 3, 0], [1, 2, 3], [0, 0, 0]]
+    assert tgt[1].tolist() == [3, 3, 4] and tgt[0, 2] == M.IGNORE
+
+
+def test_forward_scored_matches_the_model(tiny_file, tiny_tok, batch):
+    _, model = tiny_file
+    model.cfg.sink, model.cfg.window = 4, 32  # shape-free fields: any sparse setting works
+    sub = {k: v[:3] for k, v in batch.items()}
+    idx = sub["tokens"][:, :int(sub["lengths"].max())]
+    sub = {**sub, "tokens": idx, "targets": sub["targets"][:, :idx.shape[1]]}
+    modes = M.uniform_modes(model, 3, masks.STREAMING)
+    modes[0][1, 0] = masks.FULL
+    logits, tgt = M.forward_scored(model, sub, modes)
+    with torch.no_grad():
+        full, _ = model(idx, modes=modes)
+    pos, want_tgt = M.scored_positions(sub["targets"])
+    ref = full[torch.arange(3)[:, None], pos]
+    assert torch.equal(tgt, want_tgt)
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(M.nll(logits, tgt), M.nll(full, sub["targets"]), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_answers_runs(tiny_file, tiny_tok, batch):
+    _, model = tiny_file
+    out = M.decode_answers(model, tiny_tok, {k: v[:2] for k, v in batch.items()}, max_new_tokens=3)
+    assert [o["task"] for o in out] == [M.TASKS[int(i)].name for i in batch["task_ids"][:2]]
+    assert all(isinstance(o["answer"], str) and o["expected"] for o in out)
+
+# -----------------------------------------------------------------------------
+# The real model, only where its file is already cached (never downloaded by the tests).
+
+
+def test_real_model_answers_in_chat():
+    path = os.path.join(M.default_cache_dir(), M.GGUF_NAME)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not present (python -c 'import smollm2; smollm2.fetch_gguf()' fetches it)")
+    model, tok = M.from_gguf(M.verify_gguf(path))
+    assert (model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_kv_heads, model.cfg.dim) == (30, 9, 3, 576)
+    ids = torch.tensor([tok.encode(tok.chat_text("What is the capital of France?"))])
+    out, _ = model.generate(ids, 8)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
