@@ -321,11 +321,11 @@ class SparsityLagrangian(nn.Module):
 
         task_counts (T,): samples per task in the whole batch when this call sees only a shard of
         it (data parallel). The result is then this shard's share: the shares of all shards add up
-        to the term of the whole batch, exactly."""
+        to the term of the whole batch, exactly (an empty shard's share is 0)."""
         if omega.dim() != 1 or not isinstance(task_ids, torch.Tensor) or task_ids.shape != omega.shape:
             raise ValueError(f"omega and task_ids must both be (B,), got {tuple(omega.shape)} and "
                              f"{tuple(task_ids.shape) if isinstance(task_ids, torch.Tensor) else task_ids!r}")
-        if omega.numel() == 0:   # the mean over tasks present would be 0 / 0
+        if omega.numel() == 0 and task_counts is None:   # the mean over tasks present would be 0 / 0
             raise ValueError("the Lagrangian needs at least one sample, got an empty batch (B = 0)")
         if task_ids.dtype.is_floating_point or task_ids.dtype == torch.bool:
             raise ValueError(f"task_ids must be an integer tensor, got dtype {task_ids.dtype}")
