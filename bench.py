@@ -576,7 +576,7 @@ def decode_bench():
                 return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
         return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
 
-    def masked_decode(q, k, v, modes, sink, window):  # what Transformer.decode_step(cache="full") does
+    def masked_decode(q, k, v, modes, sink, window):  # what Transformer.decode_step does with a full cache
         S = k.shape[2]
         mask = masks.hybrid_mask(S, modes, sink, window, q_idx=torch.tensor([S - 1]))  # (B, Hkv, 1, S)
         return masks.masked_attention(q[:, :, None], k, v, mask)[:, :, 0]

@@ -28,7 +28,7 @@ Example: B = 2, Hkv = 2, sink = 2, window = 3, T_max = 10, after 10 tokens (posi
 
     The query at position 9 of a STREAMING head may see key j iff j <= 9 and (j < 2 or 9 - j < 3),
     i.e. {0, 1, 7, 8, 9}: exactly the five rows its extent holds. Writing position 10 next
-    overwrites row 12 (position 7), the one key query 10 no longer sees.
+    overwrites row 14 (position 7), the one key query 10 no longer sees.
 
 So after n tokens every head has min(n, cap) live rows, and they are exactly the keys the
 token-exact predicate (masks.streaming; causal for keep-all heads) lets query n - 1 see. Softmax does
