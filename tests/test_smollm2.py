@@ -241,6 +241,22 @@ def test_verify_gguf(tmp_path):
     with pytest.raises(ValueError, match="no GGUF file"):
         M.verify_gguf(str(tmp_path / "missing.gguf"))
 
+def test_fetch_joins_pieces_and_checks_them(tmp_path, monkeypatch):
+    import hashlib
+    blob = bytes(range(256)) * 40
+    monkeypatch.setattr(M, "GGUF_SIZE", len(blob))
+    monkeypatch.setattr(M, "GGUF_SHA256", hashlib.sha256(blob).hexdigest())
+    target = tmp_path / M.GGUF_NAME
+    for i, start in enumerate(range(0, len(blob), 4000)):
+        (tmp_path / f"{M.GGUF_NAME}.part-a{chr(97 + i)}").write_bytes(blob[start:start + 4000])
+    assert M.fetch_gguf(str(tmp_path)) == str(target) and target.read_bytes() == blob
+    assert M.fetch_gguf(str(tmp_path)) == str(target)  # found, verified again, nothing joined
+    target.unlink()
+    (tmp_path / f"{M.GGUF_NAME}.part-aa").write_bytes(b"corrupted")
+    with pytest.raises(ValueError, match="bytes, expected"):
+        M.fetch_gguf(str(tmp_path))
+    assert not target.exists() and not (tmp_path / f"{M.GGUF_NAME}.part").exists()
+
 # -----------------------------------------------------------------------------
 # The tokenizer.
 
