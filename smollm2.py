@@ -9,7 +9,7 @@ its tokenizer and chat format, and a real-text task suite in the batch contract 
                                                       dequantised to float32 (cast it yourself)
     tasks     TASKS, TASK_NAMES, SENSITIVE, ROBUST, get_task(name)
               make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train",
-                         window=256, depth=None) -> dict of CPU tensors
+                         window=256, sink=64, depth=None) -> dict of CPU tensors
               answer_accuracy(logits, targets), nll(logits, targets) -> (B,)
               scored_positions(targets), uniform_modes(model, B, mode)
               forward_scored(model, batch, modes=None) -> logits only where a token is scored
@@ -532,7 +532,7 @@ def get_task(name):
     raise ValueError(f"unknown task {name!r}; choose from {TASK_NAMES}")
 
 
-def _build_row(task, rng, tokenizer, corpus, seq_len, window, depth):
+def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
     """One sample: (prompt ids, answer ids, scored answer indices, needle token positions)."""
     spec = task.make(rng)
     head = tokenizer.chat_text("\x00").split("\x00")[0]  # the chat text before the user's words
@@ -566,7 +566,7 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, depth):
         doc, counts, follow = corpus.document(rng, budget, tokenizer)
         # Needle slots are paragraph boundaries; after[j] ≈ document tokens after slot j.
         after = [sum(counts[j:]) + len(counts) - j for j in range(len(doc) + 1)]
-        if task.placement == "far":  # not before the first paragraph: the needle stays out of the sink
+        if task.placement == "far":  # never before the first paragraph, and out of the sink (below)
             slots = [j for j in range(1, len(doc) + 1) if after[j] >= window + MARGIN]
         elif task.placement == "near":
             slots = [j for j in range(len(doc) + 1) if after[j] <= NEAR_TOKENS]
@@ -577,27 +577,32 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, depth):
             continue
         k = rng.randrange(len(slots)) if depth is None else round(depth * (len(slots) - 1))
         prompt, needles = render(doc, slots[k])
-        while task.placement == "far" and len(prompt) - 1 - max(needles) < window + MARGIN and k > 0:
-            k -= 1  # the estimate was a little optimistic: one paragraph further back
-            prompt, needles = render(doc, slots[k])
+        if task.placement == "far":  # the estimate can be a little off: move one paragraph at a time
+            while len(prompt) - 1 - max(needles) < window + MARGIN and k > 0:
+                k -= 1
+                prompt, needles = render(doc, slots[k])
+            while min(needles) < sink and k + 1 < len(slots):
+                k += 1
+                prompt, needles = render(doc, slots[k])
         if spec["answer"] is None:
             answer = tokenizer.encode(follow)[:CONTINUE_TOKENS]
             scored = list(range(len(answer)))
         if len(prompt) + len(answer) > seq_len:
             budget -= len(prompt) + len(answer) - seq_len + 8
             continue
-        if task.placement == "far" and len(prompt) - 1 - max(needles) < window + MARGIN:
+        if task.placement == "far" and (len(prompt) - 1 - max(needles) < window + MARGIN or min(needles) < sink):
             budget -= 64
             continue
         return prompt, answer, scored, needles
     raise ValueError(f"could not fit task {task.name!r} into seq_len {seq_len}")
 
 
-def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train", window=256, depth=None):
+def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train", window=256, sink=64,
+               depth=None):
     """A batch of real-text samples, balanced over task_names (None = all TASKS): row i gets
     task_names[i % len] before a seeded shuffle. Same arguments -> same batch. split picks the
-    paragraphs ("train" or "eval", disjoint topics); window is the streaming window the sensitive
-    needles must lie beyond (by MARGIN tokens); depth in [0, 1] fixes where a needle goes among its
+    paragraphs ("train" or "eval", disjoint topics); window and sink are the streaming heads' (Config):
+    sensitive needles lie beyond the window (by MARGIN tokens) and after the sink; depth in [0, 1] fixes where a needle goes among its
     allowed slots (0 = farthest from the question), None draws it. CPU tensors:
 
         tokens     (B, S) long  prompt + answer (+ <|im_end|>), right-padded with tokenizer.pad_id;
@@ -626,7 +631,7 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
     rows = []
     for i in order:
         task = specs[i % len(specs)]
-        rows.append((task, *_build_row(task, rng, tokenizer, corpus, seq_len, window, depth)))
+        rows.append((task, *_build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth)))
     B, S = batch_size, max(len(p) + len(a) for _, p, a, _, _ in rows)
     tokens = torch.full((B, S), tokenizer.pad_id, dtype=torch.long)
     targets = torch.full((B, S), IGNORE, dtype=torch.long)

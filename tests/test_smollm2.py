@@ -343,7 +343,7 @@ def test_tasks_place_their_evidence(tiny_tok, batch):
             assert scored.strip() in needle and needle.strip() in prompt
             assert torch.equal(needles, torch.arange(int(needles[0]), int(needles[-1]) + 1))  # one span
             assert q - int(needles.max()) >= WINDOW + M.MARGIN, "beyond a streaming head's window"
-            assert int(needles.min()) >= 64, "beyond the sink"
+            assert int(needles.min()) >= 64, "beyond the sink (64 by default)"
         else:
             assert len(needles) == 0
         if task.name == "recent_fact":
@@ -356,6 +356,16 @@ def test_tasks_place_their_evidence(tiny_tok, batch):
             assert (b["targets"][r] != M.IGNORE).sum() == M.CONTINUE_TOKENS
         else:
             assert scored.strip().isalnum()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_needles_stay_beyond_window_and_sink(tiny_tok, seed):
+    """Tight lengths, many draws: the placement's estimates must never break the guarantees."""
+    b = M.make_batch(tiny_tok, M.SENSITIVE, 8, 900, seed=seed, split="train", window=WINDOW, sink=96)
+    for r in range(8):
+        needles = b["needle_pos"][r][b["needle_pos"][r] >= 0]
+        assert int(b["query_pos"][r]) - int(needles.max()) >= WINDOW + M.MARGIN and int(needles.min()) >= 96
+        assert int(b["lengths"][r]) <= 900
 
 
 def test_batches_are_seeded_and_splits_differ(tiny_tok, batch):
