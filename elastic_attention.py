@@ -263,20 +263,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k
 
-    def gate(self, log_alpha):
+    def gate(self, log_alpha, u=None):
         """log α (B, Hkv) → z (B, Hkv), 1 = FULL (METHOD.md §5). Training draws a hard 0/1 decision
-        whose gradient is the relaxation's; evaluation takes the more likely decision, no RNG."""
+        whose gradient is the relaxation's (u: its uniform noise, default drawn from torch's RNG);
+        evaluation takes the more likely decision, no RNG."""
         if not self.training:
             return router_lib.deterministic_gate(log_alpha)
         if self.cfg.gate == "gumbel":
-            return router_lib.gumbel_softmax_gate(log_alpha, self.gumbel_tau)
-        return router_lib.hard_concrete_gate(log_alpha)
+            return router_lib.gumbel_softmax_gate(log_alpha, self.gumbel_tau, u)
+        return router_lib.hard_concrete_gate(log_alpha, u)
 
     def attend(self, q, k, v, modes, block_mask):
         c = self.cfg
         return kernels.hybrid_attention(q, k, v, modes, c.sink, c.window, block_mask, c.block_size, c.backend)
 
-    def forward(self, x, cos, sin, modes=None, z=None, lengths=None, prompt_lengths=None):
+    def forward(self, x, cos, sin, modes=None, z=None, lengths=None, prompt_lengths=None, gate_noise=None):
         """x (B, S, C) → (out (B, S, C), record). modes (B, Hkv) int or z (B, Hkv) in [0, 1] skip the
         router. lengths (B,): real tokens (the rest is padding); prompt_lengths (B,): tokens the router
         may read. record: this layer's z, kernel modes, log α, block mask, and k/v for a KV cache."""
@@ -288,7 +289,7 @@ class Attention(nn.Module):
         log_alpha = None
         if modes is None and z is None and self.router is not None:
             log_alpha = self.router(k_pre, prompt_lengths)                                 # (B, Hkv)
-            z = self.gate(log_alpha)                                                       # (B, Hkv)
+            z = self.gate(log_alpha, gate_noise)                                           # (B, Hkv)
         if z is not None:
             modes = torch.where(z > 0.5, full_mode, sparse_mode).to(torch.int32)           # (B, Hkv)
         elif modes is None:
@@ -416,12 +417,14 @@ class Transformer(nn.Module):
         if bad.any():
             raise ValueError(f"{name} must lie in [1, S={S}], got {lengths[bad].tolist()}")
 
-    def forward(self, idx, modes=None, gates=None, lengths=None, prompt_lengths=None):
+    def forward(self, idx, modes=None, gates=None, lengths=None, prompt_lengths=None, gate_noise=None):
         """idx (B, S) → (logits (B, S, V), info). Routing follows the module docstring.
 
         lengths (B,): real tokens per row (right padding after them changes no real token's output,
         Ω_ESR counts real tokens only). prompt_lengths (B,): how many tokens the router reads — the
-        prompt, never the answer (default: lengths). info: z, modes, log_alpha, block_mask (one entry
+        prompt, never the answer (default: lengths). gate_noise (L, B, Hkv): the training gates' uniform
+        noise (default: drawn from torch's RNG; data-parallel training passes each rank its rows of one
+        draw for the whole batch, so sharding does not change the gates). info: z, modes, log_alpha, block_mask (one entry
         per layer), records, omega_msr (B,) = 1 − mean z over layers and KV heads (carries the gate's
         gradient), omega_esr (B,) averaged over layers and omega_esr_last (B,) (METHOD.md §2).
         """
@@ -442,7 +445,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
                               z=None if gates is None else gates[i],
-                              lengths=lengths, prompt_lengths=prompt_lengths)
+                              lengths=lengths, prompt_lengths=prompt_lengths,
+                              gate_noise=None if gate_noise is None else gate_noise[i])
             records.append(record)
         logits = self.lm_head(self.norm(x))  # (B, S, V)
         return logits, self.summarize(records, S, lengths)

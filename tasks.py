@@ -269,6 +269,13 @@ def split_seed(split, index, base_seed=0):
     return 2 * (base_seed * 1_000_003 + index) + (split == "eval")
 
 
+def rotate(names, index, size):
+    """The task names of training batch `index`: sample i gets names[(index·size + i) mod #names],
+    so consecutive batches continue the cycle and every task is trained whatever the batch size."""
+    start = (index * size) % len(names)
+    return [names[(start + i) % len(names)] for i in range(size)]
+
+
 def make_batch(tasks, batch_size, seq_len, window, sink, *, seed=None, generator=None,
                margin=None, depth=None):
     """A batch of samples from `tasks` (a list of names; None = all of TASKS), balanced: sample i

