@@ -1,0 +1,80 @@
+"""The documents hold to what they promise: the README's test command is the one CI runs, every file
+the README and RESULTS.md name exists, the README stays a front door, and no file points at
+documents the repository does not ship. Plain text checks, fast, CPU."""
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ("README.md", "RESULTS.md")
+TEST_COMMAND = 'pip install -e ".[test]"'
+
+
+def read(name):
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def source_files():
+    """The repository's own .py and .md files (not hidden folders, run outputs or build folders)."""
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__")) and d not in ("runs", "build")
+                   and not d.endswith(".egg-info")]
+        for f in files:
+            if f.endswith((".py", ".md")):
+                yield os.path.join(folder, f)
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = [line.split("#")[0].strip() for line in read("README.md").splitlines()
+              if line.startswith(TEST_COMMAND)]
+    ci = [line.strip() for line in read(".ci/run").splitlines() if line.startswith(TEST_COMMAND)]
+    assert len(readme) == 1 and len(ci) == 1, (readme, ci)
+    assert readme == ci
+
+
+def test_readme_is_a_front_door():
+    lines = read("README.md").splitlines()
+    assert len(lines) <= 160, f"README.md has {len(lines)} lines; results belong in RESULTS.md"
+
+
+def test_named_files_exist():
+    """Links and backticked file names are repository files, or files the code writes into a run
+    folder (their name appears in a .py file, e.g. results.json, router.pt)."""
+    code = "".join(read(os.path.relpath(p, ROOT)) for p in source_files() if p.endswith(".py"))
+    missing = []
+    for doc in DOCS:
+        text = read(doc)
+        links = re.findall(r"\]\(([^)#\s]+)\)", text)
+        named = re.findall(r"`([\w./-]+\.(?:py|md|png|pt|json|toml|txt))(?:::\w+|:\d+)?`", text)
+        for name in links + named:
+            if "://" in name:
+                continue
+            if not os.path.exists(os.path.join(ROOT, name)) and os.path.basename(name) not in code:
+                missing.append(f"{doc}: {name}")
+    assert not missing, missing
+
+
+def test_readme_breakpoint_is_in_the_inner_loop():
+    """The README's debugger command stops in the kernel's inner loop: its kernels.py line lies in the
+    body of _attn_fwd_inner and is code, not a comment or a blank line."""
+    lines = read("kernels.py").splitlines()
+    refs = [int(n) for n in re.findall(r"kernels\.py:(\d+)", read("README.md"))]
+    assert refs, "the README names no kernels.py line for the debugger"
+    start = next(i for i, line in enumerate(lines) if "def _attn_fwd_inner(" in line)
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].strip().startswith(("def ", "@triton.jit")))
+    for n in refs:
+        assert start < n - 1 < end, f"kernels.py:{n} is outside _attn_fwd_inner (lines {start + 1}-{end})"
+        code = lines[n - 1].strip()
+        assert code and not code.startswith(("#", '"""')), f"kernels.py:{n} is not a line of code: {code!r}"
+
+
+def test_no_references_to_documents_the_repository_does_not_ship():
+    # Spelt in pieces so that this file does not match itself.
+    pattern = re.compile("|".join([r"PAPER" + r"\.md", r"STYLE" + r"\.md", r"iss" + r"ue [0-9]"]), re.IGNORECASE)
+    found = []
+    for path in source_files():
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if pattern.search(line):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()[:80]}")
+    assert not found, found
