@@ -1,7 +1,20 @@
 """kernels.py — hybrid attention: every (sample, KV head) in its own mode (FULL, STREAMING or
-BLOCK_SPARSE, see masks.py), as one fused Triton kernel beside its naive twin (METHOD.md §3, §7).
+BLOCK_SPARSE, see masks.py), as one fused Triton kernel with its backward, beside the naive twins
+(METHOD.md §3, §7). Reads top to bottom:
 
-Shape letters as in masks.py, plus BLOCK_M / BLOCK_N kernel tile sizes.
+    1. which code can run a call: the Triton kernel's limits and the backend choice
+    2. tile sizes and block lists (host side)
+    3. forward:  hybrid_attention_reference (naive twin) → the key-tile walk → _hybrid_attention_fwd
+    4. backward: hybrid_attention_reference_grad (naive twin) → the query-tile walk → dk/dv and dq kernels
+    5. fused_hybrid_attention (a torch.autograd.Function around 3 and 4)
+    6. uniform_attention_sdpa (torch's attention when every head has one mode)
+    7. hybrid_attention, the entry point the model calls
+
+Shape letters as in masks.py, plus the kernels' tile sizes: BLOCK_M query rows × BLOCK_N keys.
+The tile walk, in one sentence: a program never visits a tile its mode cannot see, runs unmasked
+where every (query, key) pair of a tile is visible, and evaluates the token-exact predicate
+    j <= i and (j < sink or i - j < window)
+only on the edge tiles (FULL and BLOCK_SPARSE heads pass sink = 0 and a window longer than S).
 """
 import math
 import os  # TRITON_INTERPRET=1 switches the kernels to Triton's CPU interpreter
@@ -9,55 +22,764 @@ import os  # TRITON_INTERPRET=1 switches the kernels to Triton's CPU interpreter
 import torch
 
 from masks import (BLOCK_SPARSE, FULL, STREAMING, check_block_mask, check_modes, check_qkv,
-                   check_sparse_params, hybrid_mask, kept_pairs, naive_attention, streaming)
+                   check_sparse_params, hybrid_mask, naive_attention, streaming)
 
 try:
     import triton
     import triton.language as tl
     _HAS_TRITON = True
-except ImportError:  # the reference path needs only torch
+except ImportError:  # the reference and torch backends need only torch
     _HAS_TRITON = False
 
+BACKENDS = ("auto", "reference", "torch", "triton")
+
 # -----------------------------------------------------------------------------
-# The one entry point the model calls.
+# 1. Which code runs a call.
 
-def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, backend="auto"):
-    """Causal attention where each (sample, KV head) runs its own mode. q (B, Hq, S, D),
-    k/v (B, Hkv, S, D), modes int (B, Hkv). Returns (B, Hq, S, D) in q's dtype.
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-    backend: "reference" (naive_attention on hybrid_mask, differentiable), "triton" (the fused
-    kernel below; forward only), "sdpa" (torch's fused attention, differentiable; only when every
-    head has the same mode — the training mix computes O_full and O_sparse exactly this way — and,
-    for BLOCK_SPARSE, every diagonal block is on), "auto" = triton on CUDA when no gradient
-    is needed, else sdpa where it applies, else reference.
+
+def triton_unsupported(dtype, head_dim, block_size, has_block_mask, on_cuda):
+    """Why the fused kernel cannot run a call with these properties (a sentence naming the value),
+    or None when it can. Pure: looks at no tensor, so the backend choice can be tested anywhere."""
+    if not _HAS_TRITON:
+        return "triton is not installed"
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the Triton kernel supports float16, bfloat16 and float32, got {dtype}"
+    if not 16 <= head_dim <= 256:
+        return f"head dim D={head_dim} out of range: the Triton kernel supports 16 <= D <= 256"
+    if has_block_mask and block_size < 16:
+        return (f"block_size={block_size}: a block_mask needs block_size >= 16 in the Triton kernel "
+                "(tiles follow the mask's blocks; tl.dot needs 16 rows)")
+    if not on_cuda and not _interpreting():
+        return ("tensors on the CPU: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set "
+                "before importing triton, to run it on the CPU)")
+    if not on_cuda and dtype == torch.bfloat16:
+        return "the Triton CPU interpreter does not support bfloat16; use float16/float32"
+    return None
+
+
+def resolve_backend(backend, dtype, head_dim, block_size, has_block_mask, on_cuda):
+    """The backend that runs a call: 'auto' becomes 'triton' on CUDA when the kernel supports the
+    call, else 'torch'. Asking for 'triton' outside the kernel's limits is a ValueError."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    reason = triton_unsupported(dtype, head_dim, block_size, has_block_mask, on_cuda) \
+        if backend in ("auto", "triton") else None
+    if backend == "auto":
+        return "triton" if on_cuda and reason is None else "torch"
+    if backend == "triton" and reason is not None:
+        raise ValueError(f"backend 'triton': {reason}")
+    return backend
+
+# -----------------------------------------------------------------------------
+# 2. Host side of the kernel: tile sizes and block lists.
+
+def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
+    """Forward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), fixed (no autotuning):
+      - GPU, D <= 128, 16-bit: 128×64 tiles in 8 warps, i.e. two warpgroups of 64 query rows for
+        Hopper's wgmma, with 4 stages of K/V prefetch (~160 KB of shared memory at D = 128).
+        Larger or smaller tiles and 3 stages were no faster (NOTES_kernels.md).
+      - D > 128 or fp32: the fp32 accumulator (BLOCK_M × D) and the K/V tiles double, so halve the tiles.
+      - Interpreter: small tiles, so that short test sequences still cross several tiles and every
+        edge case (partial sink / window / diagonal tiles) is exercised.
+    BLOCK_SPARSE heads need every tile inside one block-mask row (query tile) and column (key
+    tile): BLOCK_M, BLOCK_N <= block_size (all powers of two)."""
+    if interpret:
+        bm, bn, warps, stages = 32, 16, 4, 1
+    elif D <= 128 and dtype != torch.float32:
+        bm, bn, warps, stages = 128, 64, 8, 4
+    else:
+        bm, bn, warps, stages = 64, 32, 4, 2
+    if has_block_sparse:
+        bm, bn = min(bm, block_size), min(bn, block_size)
+    return bm, bn, warps, stages
+
+
+def _bwd_tile_config(D, dtype, block_size, has_block_sparse, interpret):
+    """Backward tiles (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages), as in
+    FlashAttention-2: the dk/dv program holds a tall key tile (BLOCK_N1) and streams short query
+    tiles (BLOCK_M1) past it; the dq program holds a tall query tile (BLOCK_M2) and streams short
+    key tiles (BLOCK_N2). Short streamed tiles keep the masked diagonal band narrow."""
+    if interpret:
+        m1, n1, m2, n2, warps, stages = 16, 32, 32, 16, 4, 1
+    elif D <= 128 and dtype != torch.float32:
+        m1, n1, m2, n2, warps, stages = 32, 128, 128, 32, 4, 3
+    else:
+        m1, n1, m2, n2, warps, stages = 32, 64, 64, 32, 4, 2
+    if has_block_sparse:
+        m1, n1, m2, n2 = (min(x, block_size) for x in (m1, n1, m2, n2))
+    return m1, n1, m2, n2, warps, stages
+
+
+def block_lists(block_mask, transpose=False):
+    """Compact lists of the switched-on *off-diagonal* causal blocks, from a bool block mask
+    (B, Hkv, nB, nB): idx (B, Hkv, nB, nB) int32 and cnt (B, Hkv, nB) int32, ascending.
+    transpose=False: row r lists its key blocks c < r (the forward and dq walk them);
+    transpose=True:  column c lists its query blocks r > c (the dk/dv walk).
+    The diagonal blocks are not listed (the kernels read block_mask's diagonal apart). Entries past
+    the count are padding, never read. Lists are nB wide, so no host sync sizes them."""
+    nB = block_mask.shape[-1]
+    keep = torch.ones(nB, nB, dtype=torch.bool, device=block_mask.device).tril(-1)   # (nB, nB): c < r
+    on = (block_mask.transpose(-2, -1) & keep.T) if transpose else (block_mask & keep)
+    cnt = on.sum(-1, dtype=torch.int32)                                            # (B, Hkv, nB)
+    # Switched-on entry c of a row goes to slot (number of switched-on entries before it); the
+    # others are scattered into a spare column nB that is cut off afterwards.
+    slot = torch.where(on, on.cumsum(-1) - 1, nB)                                  # (B, Hkv, nB, nB)
+    col = torch.arange(nB, dtype=torch.int32, device=block_mask.device).expand_as(slot)
+    idx = torch.zeros(*on.shape[:-1], nB + 1, dtype=torch.int32, device=block_mask.device)
+    idx.scatter_(-1, slot, col)
+    return idx[..., :nB].contiguous(), cnt                                         # (B, Hkv, nB, nB), (B, Hkv, nB)
+
+
+def _dot_precision(dtype):
+    """tl.dot's input precision: float32 inputs multiply as true fp32 unless torch's matmuls may use
+    TF32 (torch.backends.cuda.matmul.allow_tf32, off by default), as torch's own matmuls do."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"  # ignored for 16-bit inputs
+
+
+def _block_sparse_args(block_mask, device):
+    """(kv_idx, kv_cnt, q_idx, q_cnt, diag) for the kernels; stand-ins that are never read when
+    there is no block mask."""
+    if block_mask is None:
+        z = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
+        return z, z[..., 0], z, z[..., 0], z[..., 0]
+    kv_idx, kv_cnt = block_lists(block_mask)
+    q_idx, q_cnt = block_lists(block_mask, transpose=True)
+    diag = block_mask.diagonal(dim1=-2, dim2=-1).to(torch.int32).contiguous()      # (B, Hkv, nB)
+    return kv_idx, kv_cnt, q_idx, q_cnt, diag
+
+# -----------------------------------------------------------------------------
+# 3. Forward.
+
+def hybrid_attention_reference(q, k, v, modes, sink, window, block_mask=None, block_size=64):
+    """The naive twin of the fused forward (same arguments): naive_attention on the dense
+    hybrid_mask. Costs B·Hkv·S² bytes of mask plus B·Hq·S² floats of scores, written and read
+    three times; the kernel below computes the same numbers from O(1) tile bounds per program."""
+    mask = hybrid_mask(q.shape[2], modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S)
+    return naive_attention(q, k, v, mask)
+
+
+if _HAS_TRITON:
+    # Module-level ints used inside @triton.jit code must be tl.constexpr.
+    _STREAMING = tl.constexpr(STREAMING)
+    _BLOCK_SPARSE = tl.constexpr(BLOCK_SPARSE)
+    _LN2 = tl.constexpr(0.6931471805599453)    # ln 2: the log2-domain LSE back to natural log
+    # The key-tile ranges a query tile walks (forward and dq), in walk order. Masked: SINK_EDGE,
+    # WINDOW_EDGE, DIAGONAL. Gathered through the block list: LISTED.
+    LISTED = tl.constexpr(0)       # BLOCK_SPARSE: the switched-on off-diagonal blocks
+    SINK = tl.constexpr(1)         # STREAMING: whole tiles of sink keys
+    SINK_EDGE = tl.constexpr(2)    #   the tile that holds the sink's end
+    WINDOW_EDGE = tl.constexpr(3)  #   window tiles some, but not all, rows of the query tile reach
+    WINDOW = tl.constexpr(4)       #   window tiles every row reaches (FULL: all tiles before the diagonal)
+    DIAGONAL = tl.constexpr(5)     # every mode: the tiles that hold the query tile's own positions
+    N_KEY_RANGES = tl.constexpr(6)
+    # The query-tile ranges a key tile walks (dk/dv), in walk order. Masked: Q_DIAGONAL, Q_EDGE.
+    Q_LISTED = tl.constexpr(0)     # BLOCK_SPARSE: the query blocks below that switch this key block on
+    Q_DIAGONAL = tl.constexpr(1)   # the query tiles that hold the key tile's own positions
+    Q_BODY = tl.constexpr(2)       # query tiles that see every key of the tile
+    Q_EDGE = tl.constexpr(3)       # query tiles that see some of them (window end, partial sink tile)
+    N_QUERY_RANGES = tl.constexpr(4)
+
+    @triton.jit
+    def _load_rows(ptrs, rows, seq_len, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+        """Load a (rows, BLOCK_D) tile; masks only what can be out of bounds, so interior tiles
+        of a power-of-two head dim are plain unmasked loads."""
+        PAD_D: tl.constexpr = offs_d.shape[0] != HEAD_DIM
+        if CHECK_ROWS and PAD_D:
+            return tl.load(ptrs, mask=(rows[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif CHECK_ROWS:
+            return tl.load(ptrs, mask=rows[:, None] < seq_len, other=0.0)
+        elif PAD_D:
+            return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+    @triton.jit
+    def _visible(i, j, sink, window):
+        """The hybrid predicate on broadcast query rows i and key positions j."""
+        return (j <= i) & ((j < sink) | (i - j < window))
+
+    @triton.jit
+    def _key_tile_range(RANGE: tl.constexpr, m0, seq_len, sink, window, first_tile, n_listed,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Tiles [lo, hi) of one key range for query rows m0 … m0+BLOCK_M-1 (key tile t holds keys
+        t·BLOCK_N …; LISTED counts gathered tiles instead). The ranges never overlap, and every
+        tile outside them is invisible to every row. first_tile cuts the recent ranges (WINDOW_EDGE,
+        WINDOW, DIAGONAL) for BLOCK_SPARSE heads: they start at the diagonal block, or not at all."""
+        diag_lo = m0 // BLOCK_N
+        # Window: row m0 reaches back furthest (to m0 - window + 1), the last row least far.
+        win_start = tl.maximum(tl.maximum(m0 - window + 1, 0) // BLOCK_N, first_tile)
+        win_full = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - window, 0), BLOCK_N), diag_lo),
+                              win_start)
+        # Sink: whole tiles, then the partial one; both stop where the window tiles begin.
+        sink_end = tl.minimum(tl.cdiv(sink, BLOCK_N), win_start)
+        sink_full = tl.minimum(sink // BLOCK_N, sink_end)
+        if RANGE == LISTED:
+            lo, hi = 0, n_listed
+        elif RANGE == SINK:
+            lo, hi = 0, sink_full
+        elif RANGE == SINK_EDGE:
+            lo, hi = sink_full, sink_end
+        elif RANGE == WINDOW_EDGE:
+            lo, hi = win_start, win_full
+        elif RANGE == WINDOW:
+            lo, hi = win_full, diag_lo
+        else:  # DIAGONAL
+            lo, hi = tl.maximum(diag_lo, first_tile), tl.cdiv(tl.minimum(m0 + BLOCK_M, seq_len), BLOCK_N)
+        return lo, hi
+
+    @triton.jit
+    def _key_tile_start(t, block_list, RANGE: tl.constexpr, BLOCK_N: tl.constexpr, TILES_PER_BLOCK: tl.constexpr):
+        """First key of tile t of a range: listed tiles are sub-tile t % TILES_PER_BLOCK of mask block
+        block_list[t // TILES_PER_BLOCK]."""
+        if RANGE == LISTED:
+            n0 = tl.load(block_list + t // TILES_PER_BLOCK) * (TILES_PER_BLOCK * BLOCK_N) \
+                + (t % TILES_PER_BLOCK) * BLOCK_N
+        else:
+            n0 = t * BLOCK_N
+        return n0
+
+    @triton.jit
+    def _attn_fwd_inner(acc, l_i, m_i, q, K_tile, V_tile, block_list, m0, seq_len, sink, window,
+                        first_tile, n_listed, qk_scale, stride_ks, stride_vs,
+                        RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """The inner loop: fold the key tiles of one range into the online softmax state
+        (acc, l_i, m_i). K_tile / V_tile point at keys 0 … BLOCK_N-1 of this KV head.
+        Unmasked ranges hold only tiles where every pair is visible and in bounds: no index math,
+        no -inf, no load masks. This is where the FLOPs are."""
+        MASKED: tl.constexpr = (RANGE == SINK_EDGE) | (RANGE == WINDOW_EDGE) | (RANGE == DIAGONAL)
+        lo, hi = _key_tile_range(RANGE, m0, seq_len, sink, window, first_tile, n_listed, BLOCK_M, BLOCK_N)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, q.shape[1])
+        for t in range(lo, hi):
+            n0 = _key_tile_start(t, block_list, RANGE, BLOCK_N, TILES_PER_BLOCK)
+            offs_kv = n0 + offs_n                                                     # (BLOCK_N,)
+
+            # -- scores qk = q kᵀ in fp32 ----------------------------------------------------------
+            k = _load_rows(K_tile + n0 * stride_ks, offs_kv, seq_len, offs_d, HEAD_DIM, MASKED)  # (BLOCK_N, BLOCK_D)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                # (BLOCK_M, BLOCK_N)
+
+            # -- online softmax in the log2 domain (qk_scale already holds 1/ln 2) -----------------
+            if MASKED:
+                # Keys past S only meet padding rows i >= S (causality), whose output is never
+                # stored, and were loaded as zeros: no separate j < S test is needed.
+                visible = _visible(offs_m[:, None], offs_kv[None, :], sink, window)   # (BLOCK_M, BLOCK_N)
+                qk = tl.where(visible, qk * qk_scale, float("-inf"))
+                m_ij = tl.maximum(m_i, tl.max(qk, 1))
+                # A row that has seen no key yet keeps m = -inf; subtracting 0 instead avoids
+                # exp2(-inf - (-inf)) = NaN (its p and alpha come out as exactly 0).
+                m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+                qk = qk - m_sub[:, None]
+            else:
+                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                m_sub = m_ij
+                qk = qk * qk_scale - m_sub[:, None]
+            p = tl.math.exp2(qk)                                                      # (BLOCK_M, BLOCK_N)
+            alpha = tl.math.exp2(m_i - m_sub)              # rescales what was summed under the old max
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+
+            # -- acc += p v --------------------------------------------------------------------------
+            v = _load_rows(V_tile + n0 * stride_vs, offs_kv, seq_len, offs_d, HEAD_DIM, MASKED)  # (BLOCK_N, BLOCK_D)
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)        # (BLOCK_M, BLOCK_D)
+            m_i = m_ij
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _mode_walk(Modes, BlockCnt, BlockDiag, b, h_kv, r, n_k_tiles, seq_len, sink, window,
+                   stride_mb, stride_mh, stride_cb, stride_ch, stride_db, stride_dh,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_BLOCK: tl.constexpr,
+                   HAS_BLOCK_SPARSE: tl.constexpr):
+        """What a query tile in block-mask row r of head (b, h_kv) walks, as the arguments of
+        _key_tile_range: (sink, window, first_tile, n_listed). FULL is STREAMING with no sink and
+        a window longer than any row looks back; BLOCK_SPARSE is FULL from the diagonal block's
+        first tile (or nothing, when that block is off) plus n_listed gathered tiles."""
+        mode = tl.load(Modes + b * stride_mb + h_kv * stride_mh)
+        is_stream = mode == _STREAMING
+        sink = tl.where(is_stream, sink, 0)
+        window = tl.where(is_stream, window, seq_len + BLOCK_M)
+        first_tile = 0
+        n_listed = 0
+        if HAS_BLOCK_SPARSE:
+            is_bs = mode == _BLOCK_SPARSE
+            n_blocks = tl.load(BlockCnt + b * stride_cb + h_kv * stride_ch + r)
+            diag_on = tl.load(BlockDiag + b * stride_db + h_kv * stride_dh + r) != 0
+            n_listed = tl.where(is_bs, n_blocks * (MASK_BLOCK // BLOCK_N), 0)
+            first_tile = tl.where(is_bs, tl.where(diag_on, (r * MASK_BLOCK) // BLOCK_N, n_k_tiles), 0)
+        return sink, window, first_tile, n_listed
+
+    # Sizes that change from call to call are not specialised (Triton would otherwise compile one
+    # variant per "divisible by 16" / "equal to 1" pattern of seq_len, sink, window, ...).
+    @triton.jit(do_not_specialize=["seq_len", "n_q_tiles", "H_KV", "G", "sink", "window"])
+    def _hybrid_attention_fwd(
+        Q, K, V, Out, Lse, Modes, BlockIdx, BlockCnt, BlockDiag,           # pointers
+        seq_len, n_q_tiles, H_KV, G, sink, window, qk_scale,               # sizes and scalars
+        stride_qb, stride_qh, stride_qs, stride_qd,                        # strides
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_ob, stride_oh, stride_os, stride_od,
+        stride_lb, stride_lh, stride_mb, stride_mh,
+        stride_ib, stride_ih, stride_ir, stride_cb, stride_ch, stride_db, stride_dh,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+        MASK_BLOCK: tl.constexpr, HAS_BLOCK_SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """One program = one BLOCK_M-row query tile of one (sample, query head); it walks the key
+        ranges of its mode (_key_tile_range) and stores o and the log-sum-exp."""
+        # -- 1. program id -> (query tile, sample, KV head, query head) --------------------------------
+        # Launch order, fastest-varying first: the G query heads of one KV head (they read the same
+        # K/V tiles, which then come from L2), then the query tiles from the last (the most work
+        # under causality) to the first, then the (sample, KV head) pairs.
+        pid = tl.program_id(0)
+        g = pid % G
+        tile = n_q_tiles - 1 - (pid // G) % n_q_tiles
+        bh = pid // (G * n_q_tiles)                           # b·H_KV + h_kv
+        b = bh // H_KV
+        h_kv = bh % H_KV
+        h_q = h_kv * G + g
+        m0 = tile * BLOCK_M                                   # first query row of this tile
+
+        # -- 2. pointers (int64 bases: B·H·S·D can pass 2³¹) and the q tile ----------------------------
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        q_base = Q + b.to(tl.int64) * stride_qb + h_q.to(tl.int64) * stride_qh
+        K_tile = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh \
+            + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd      # keys 0 … BLOCK_N-1
+        V_tile = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh \
+            + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        q = _load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                       offs_m, seq_len, offs_d, HEAD_DIM, True)              # (BLOCK_M, BLOCK_D)
+
+        # -- 3. what this mode walks -------------------------------------------------------------------
+        r = m0 // MASK_BLOCK                                  # this tile's block-mask row
+        block_list = BlockIdx + b * stride_ib + h_kv * stride_ih + r * stride_ir
+        sink, window, first_tile, n_listed = _mode_walk(
+            Modes, BlockCnt, BlockDiag, b, h_kv, r, tl.cdiv(seq_len, BLOCK_N), seq_len, sink, window,
+            stride_mb, stride_mh, stride_cb, stride_ch, stride_db, stride_dh,
+            BLOCK_M, BLOCK_N, MASK_BLOCK, HAS_BLOCK_SPARSE)
+
+        # -- 4. fold every key range into (acc, l_i, m_i); the order does not change the result ----------
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")   # running max (log2 units)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                  # running Σ exp2(s - m_i)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)         # running Σ p v
+        for RANGE in tl.static_range(N_KEY_RANGES):  # LISTED, SINK, SINK_EDGE, WINDOW_EDGE, WINDOW, DIAGONAL
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, q, K_tile, V_tile, block_list, m0, seq_len, sink, window, first_tile,
+                n_listed, qk_scale, stride_ks, stride_vs, RANGE=RANGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                HEAD_DIM=HEAD_DIM, TILES_PER_BLOCK=MASK_BLOCK // BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+
+        # -- 5. normalise and store; a row that saw no key (an empty block row) is 0, not NaN ----------
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_ptrs = Out + b.to(tl.int64) * stride_ob + h_q.to(tl.int64) * stride_oh \
+            + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty),
+                 mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM))
+        # log Σ_j exp(s_ij) = ln 2 · (m_i + log2 l_i): m_i and l_i live in the log2 domain.
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
+        tl.store(Lse + b.to(tl.int64) * stride_lb + h_q * stride_lh + offs_m, lse, mask=offs_m < seq_len)
+
+
+def _hybrid_attention_fwd_launch(q, k, v, modes32, sink, window, bs_args, block_size, has_bs, config):
+    """o (B, Hq, S, D) in q's dtype and lse (B, Hq, S) float32 from one launch (inputs checked)."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    BLOCK_M, BLOCK_N, num_warps, num_stages = config
+    kv_idx, kv_cnt, _, _, diag = bs_args
+    o = torch.empty(B, Hq, S, D, dtype=q.dtype, device=q.device)          # (B, Hq, S, D) contiguous
+    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)     # (B, Hq, S)
+    if S == 0:
+        return o, lse
+    n_q_tiles = triton.cdiv(S, BLOCK_M)
+    _hybrid_attention_fwd[(B * Hq * n_q_tiles,)](
+        q, k, v, o, lse, modes32, kv_idx, kv_cnt, diag,
+        S, n_q_tiles, Hkv, Hq // Hkv, sink, window, 1.4426950408889634 / math.sqrt(D),  # 1/√D · 1/ln 2: exp2
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        lse.stride(0), lse.stride(1), *modes32.stride(),
+        kv_idx.stride(0), kv_idx.stride(1), kv_idx.stride(2), kv_cnt.stride(0), kv_cnt.stride(1),
+        diag.stride(0), diag.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)), HEAD_DIM=D,
+        MASK_BLOCK=block_size if has_bs else BLOCK_N, HAS_BLOCK_SPARSE=has_bs,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, lse
+
+# -----------------------------------------------------------------------------
+# 4. Backward (FlashAttention-2): with P = softmax(S) recomputed from the saved LSE and
+#    Δ_i = Σ_d dO_id O_id,   dV = Pᵀ dO,   dS = P ∘ (dO Vᵀ - Δ),   dQ = dS K / √D,   dK = dSᵀ Q / √D.
+#    dk/dv: one program per (sample, KV head, key tile), summing over the G query heads of the KV head.
+#    dq:    one program per (sample, query head, query tile), walking the forward's key ranges.
+
+def hybrid_attention_reference_grad(q, k, v, modes, sink, window, block_mask, block_size, do):
+    """The naive twin of the fused backward: (dq, dk, dv) by autograd through
+    hybrid_attention_reference, for an upstream gradient do (B, Hq, S, D)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = hybrid_attention_reference(q, k, v, modes, sink, window, block_mask, block_size)
+    return torch.autograd.grad(o, (q, k, v), do)
+
+
+if _HAS_TRITON:
+    @triton.jit
+    def _query_tile_range(RANGE: tl.constexpr, n0, seq_len, full_end, any_end, n_listed,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Query tiles [lo, hi) of one range for keys n0 … n0+BLOCK_N-1 (query tile t holds rows
+        t·BLOCK_M …; Q_LISTED counts gathered tiles). Rows below full_end see every key of the tile
+        that causality allows, rows at or past any_end see none of them."""
+        n_q_tiles = tl.cdiv(seq_len, BLOCK_M)
+        diag_hi = tl.minimum(tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M), n_q_tiles), tl.cdiv(any_end, BLOCK_M))
+        # Unmasked tiles end at a whole tile inside S: a partial last tile is walked as an edge.
+        body_hi = tl.maximum(diag_hi, tl.minimum(full_end, seq_len) // BLOCK_M)
+        if RANGE == Q_LISTED:
+            lo, hi = 0, n_listed
+        elif RANGE == Q_DIAGONAL:
+            lo, hi = n0 // BLOCK_M, diag_hi
+        elif RANGE == Q_BODY:
+            lo, hi = diag_hi, body_hi
+        else:  # Q_EDGE
+            lo, hi = body_hi, tl.maximum(body_hi, tl.minimum(tl.cdiv(any_end, BLOCK_M), n_q_tiles))
+        return lo, hi
+
+    @triton.jit
+    def _attn_bwd_dkdv_inner(dk, dv, k, v, Q_tile, DO_tile, Lse_row, Delta_row, query_list, n0,
+                             seq_len, sink, window, full_end, any_end, n_listed, qk_scale,
+                             stride_qs, stride_dos,
+                             RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Fold the query tiles of one range into dk, dv (BLOCK_N, BLOCK_D) of the key tile n0 … .
+        Q_tile / DO_tile point at rows 0 … BLOCK_M-1 of one query head; Lse_row / Delta_row at its
+        row 0. Works on transposed scores (keys × queries), so that dk and dv are plain row sums."""
+        MASKED: tl.constexpr = (RANGE == Q_DIAGONAL) | (RANGE == Q_EDGE)
+        CHECK_ROWS: tl.constexpr = MASKED | (RANGE == Q_LISTED)   # a listed last block may pass S
+        lo, hi = _query_tile_range(RANGE, n0, seq_len, full_end, any_end, n_listed, BLOCK_M, BLOCK_N)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, k.shape[1])
+        for t in range(lo, hi):
+            if RANGE == Q_LISTED:
+                m0 = tl.load(query_list + t // TILES_PER_BLOCK) * (TILES_PER_BLOCK * BLOCK_M) \
+                    + (t % TILES_PER_BLOCK) * BLOCK_M
+            else:
+                m0 = t * BLOCK_M
+            offs_m = m0 + tl.arange(0, BLOCK_M)                                        # (BLOCK_M,)
+            q = _load_rows(Q_tile + m0 * stride_qs, offs_m, seq_len, offs_d, HEAD_DIM, CHECK_ROWS)
+            do = _load_rows(DO_tile + m0 * stride_dos, offs_m, seq_len, offs_d, HEAD_DIM, CHECK_ROWS)
+            if CHECK_ROWS:  # padding rows get lse = +inf, so their p is exactly 0
+                lse2 = tl.load(Lse_row + offs_m, mask=offs_m < seq_len, other=float("inf"))
+                delta = tl.load(Delta_row + offs_m, mask=offs_m < seq_len, other=0.0)
+            else:
+                lse2 = tl.load(Lse_row + offs_m)
+                delta = tl.load(Delta_row + offs_m)
+
+            # -- pᵀ = exp(s - lse), recomputed from the forward's log-sum-exp ------------------------
+            qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)                # (BLOCK_N, BLOCK_M)
+            if MASKED:
+                visible = _visible(offs_m[None, :], offs_n[:, None], sink, window)   # (BLOCK_N, BLOCK_M)
+                qkT = tl.where(visible, qkT * qk_scale, float("-inf"))
+            else:
+                qkT = qkT * qk_scale
+            pT = tl.math.exp2(qkT - lse2[None, :])                                      # (BLOCK_N, BLOCK_M)
+
+            # -- dv += pᵀ dO;  dsᵀ = pᵀ ∘ (v dOᵀ - Δ);  dk += dsᵀ q ---------------------------------
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)         # (BLOCK_N, BLOCK_D)
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)                # (BLOCK_N, BLOCK_M)
+            dsT = pT * (dpT - delta[None, :])
+            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)          # (BLOCK_N, BLOCK_D)
+        return dk, dv
+
+    @triton.jit(do_not_specialize=["seq_len", "n_k_tiles", "H_KV", "G", "sink", "window"])
+    def _hybrid_attention_bwd_dkdv(
+        Q, K, V, DO, Lse, Delta, DK, DV, Modes, QBlockIdx, QBlockCnt, BlockDiag,   # pointers
+        seq_len, n_k_tiles, H_KV, G, sink, window, qk_scale, sm_scale,          # sizes and scalars
+        stride_qb, stride_qh, stride_qs, stride_qd,                             # strides
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dos, stride_dod,
+        stride_dkb, stride_dkh, stride_dks, stride_dkd,
+        stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+        stride_lb, stride_lh, stride_mb, stride_mh,
+        stride_ib, stride_ih, stride_ic, stride_cb, stride_ch, stride_db, stride_dh,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+        MASK_BLOCK: tl.constexpr, HAS_BLOCK_SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """One program = one BLOCK_N-key tile of one (sample, KV head): dk, dv of those keys, summed
+        over the G query heads, each walking only the query tiles that can see a key of the tile."""
+        # -- 1. program id -> (key tile, sample, KV head); the first key tiles (most work) first ---------
+        pid = tl.program_id(0)
+        tile = pid % n_k_tiles
+        bh = pid // n_k_tiles
+        b = bh // H_KV
+        h_kv = bh % H_KV
+        n0 = tile * BLOCK_N                                   # first key of this tile
+
+        # -- 2. the k, v tile, held for the whole program ----------------------------------------------
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        k = _load_rows(K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+                       + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                       offs_n, seq_len, offs_d, HEAD_DIM, True)                     # (BLOCK_N, BLOCK_D)
+        v = _load_rows(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+                       + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                       offs_n, seq_len, offs_d, HEAD_DIM, True)                     # (BLOCK_N, BLOCK_D)
+
+        # -- 3. which query rows see these keys, per mode ----------------------------------------------
+        # FULL: every row from the diagonal on. STREAMING: a tile of sink keys is seen by every later
+        # row (the tile holding the sink's end only in part: all of it is an edge); later keys only
+        # by the next `window` rows. BLOCK_SPARSE: the rows of its own block when the diagonal
+        # block is on, plus the listed query blocks below.
+        mode = tl.load(Modes + b * stride_mb + h_kv * stride_mh)
+        is_stream = mode == _STREAMING
+        sink = tl.where(is_stream, sink, 0)
+        window = tl.where(is_stream, window, seq_len + BLOCK_N)
+        full_end = tl.where(n0 + BLOCK_N <= sink, seq_len, tl.where(n0 < sink, 0, n0 + window))
+        any_end = tl.where(n0 < sink, seq_len, n0 + BLOCK_N - 1 + window)
+        n_listed = 0
+        c = n0 // MASK_BLOCK                                  # this tile's block-mask column
+        query_list = QBlockIdx + b * stride_ib + h_kv * stride_ih + c * stride_ic
+        if HAS_BLOCK_SPARSE:
+            is_bs = mode == _BLOCK_SPARSE
+            n_blocks = tl.load(QBlockCnt + b * stride_cb + h_kv * stride_ch + c)
+            diag_on = tl.load(BlockDiag + b * stride_db + h_kv * stride_dh + c) != 0
+            n_listed = tl.where(is_bs, n_blocks * (MASK_BLOCK // BLOCK_M), 0)
+            block_end = tl.where(diag_on, (c + 1) * MASK_BLOCK, 0)
+            full_end = tl.where(is_bs, block_end, full_end)
+            any_end = tl.where(is_bs, block_end, any_end)
+
+        # -- 4. sum over the G query heads of this KV head, each over its query ranges ------------------
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for g in range(G):
+            h_q = h_kv * G + g
+            Q_tile = Q + b.to(tl.int64) * stride_qb + h_q.to(tl.int64) * stride_qh \
+                + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd        # rows 0 … BLOCK_M-1
+            DO_tile = DO + b.to(tl.int64) * stride_dob + h_q.to(tl.int64) * stride_doh \
+                + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
+            Lse_row = Lse + b.to(tl.int64) * stride_lb + h_q * stride_lh          # log2-domain LSE
+            Delta_row = Delta + b.to(tl.int64) * stride_lb + h_q * stride_lh
+            for RANGE in tl.static_range(N_QUERY_RANGES):  # Q_LISTED, Q_DIAGONAL, Q_BODY, Q_EDGE
+                dk, dv = _attn_bwd_dkdv_inner(
+                    dk, dv, k, v, Q_tile, DO_tile, Lse_row, Delta_row, query_list, n0, seq_len, sink,
+                    window, full_end, any_end, n_listed, qk_scale, stride_qs, stride_dos,
+                    RANGE=RANGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                    TILES_PER_BLOCK=MASK_BLOCK // BLOCK_M, DOT_PRECISION=DOT_PRECISION)
+
+        # -- 5. store (scores were s = q kᵀ / √D, so dk picks up 1/√D) -----------------------------------
+        d_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+        tl.store(DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh
+                 + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=d_mask)
+        tl.store(DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh
+                 + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd,
+                 dv.to(DV.dtype.element_ty), mask=d_mask)
+
+    @triton.jit
+    def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_tile, V_tile, block_list, m0, seq_len, sink, window,
+                           first_tile, n_listed, qk_scale, stride_ks, stride_vs,
+                           RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Fold the key tiles of one range (the forward's walk) into dq (BLOCK_M, BLOCK_D)."""
+        MASKED: tl.constexpr = (RANGE == SINK_EDGE) | (RANGE == WINDOW_EDGE) | (RANGE == DIAGONAL)
+        lo, hi = _key_tile_range(RANGE, m0, seq_len, sink, window, first_tile, n_listed, BLOCK_M, BLOCK_N)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, q.shape[1])
+        for t in range(lo, hi):
+            n0 = _key_tile_start(t, block_list, RANGE, BLOCK_N, TILES_PER_BLOCK)
+            offs_kv = n0 + offs_n
+            k = _load_rows(K_tile + n0 * stride_ks, offs_kv, seq_len, offs_d, HEAD_DIM, MASKED)  # (BLOCK_N, BLOCK_D)
+            v = _load_rows(V_tile + n0 * stride_vs, offs_kv, seq_len, offs_d, HEAD_DIM, MASKED)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                # (BLOCK_M, BLOCK_N)
+            if MASKED:
+                visible = _visible(offs_m[:, None], offs_kv[None, :], sink, window)
+                qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            else:
+                qk = qk * qk_scale
+            p = tl.math.exp2(qk - lse2[:, None])                                      # (BLOCK_M, BLOCK_N)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)               # (BLOCK_M, BLOCK_N)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)         # (BLOCK_M, BLOCK_D)
+        return dq
+
+    @triton.jit(do_not_specialize=["seq_len", "n_q_tiles", "H_KV", "G", "sink", "window"])
+    def _hybrid_attention_bwd_dq(
+        Q, K, V, DO, Lse, Delta, DQ, Modes, BlockIdx, BlockCnt, BlockDiag,      # pointers
+        seq_len, n_q_tiles, H_KV, G, sink, window, qk_scale, sm_scale,          # sizes and scalars
+        stride_qb, stride_qh, stride_qs, stride_qd,                             # strides
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dos, stride_dod,
+        stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+        stride_lb, stride_lh, stride_mb, stride_mh,
+        stride_ib, stride_ih, stride_ir, stride_cb, stride_ch, stride_db, stride_dh,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+        MASK_BLOCK: tl.constexpr, HAS_BLOCK_SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """One program = one BLOCK_M-row query tile of one (sample, query head): dq of those rows,
+        walking the same key ranges as the forward."""
+        # -- 1. program id, as in the forward ------------------------------------------------------------
+        pid = tl.program_id(0)
+        g = pid % G
+        tile = n_q_tiles - 1 - (pid // G) % n_q_tiles
+        bh = pid // (G * n_q_tiles)
+        b = bh // H_KV
+        h_kv = bh % H_KV
+        h_q = h_kv * G + g
+        m0 = tile * BLOCK_M
+
+        # -- 2. the q, dO tiles and their rows' LSE and Δ, held for the whole program ---------------------
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        q = _load_rows(Q + b.to(tl.int64) * stride_qb + h_q.to(tl.int64) * stride_qh
+                       + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                       offs_m, seq_len, offs_d, HEAD_DIM, True)                     # (BLOCK_M, BLOCK_D)
+        do = _load_rows(DO + b.to(tl.int64) * stride_dob + h_q.to(tl.int64) * stride_doh
+                        + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
+                        offs_m, seq_len, offs_d, HEAD_DIM, True)                    # (BLOCK_M, BLOCK_D)
+        row = b.to(tl.int64) * stride_lb + h_q * stride_lh + offs_m
+        lse2 = tl.load(Lse + row, mask=offs_m < seq_len, other=float("inf"))        # (BLOCK_M,) log2 domain
+        delta = tl.load(Delta + row, mask=offs_m < seq_len, other=0.0)              # (BLOCK_M,)
+        K_tile = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh \
+            + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        V_tile = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh \
+            + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
+
+        # -- 3. what this mode walks, as in the forward --------------------------------------------------
+        r = m0 // MASK_BLOCK
+        block_list = BlockIdx + b * stride_ib + h_kv * stride_ih + r * stride_ir
+        sink, window, first_tile, n_listed = _mode_walk(
+            Modes, BlockCnt, BlockDiag, b, h_kv, r, tl.cdiv(seq_len, BLOCK_N), seq_len, sink, window,
+            stride_mb, stride_mh, stride_cb, stride_ch, stride_db, stride_dh,
+            BLOCK_M, BLOCK_N, MASK_BLOCK, HAS_BLOCK_SPARSE)
+
+        # -- 4. fold every key range into dq ---------------------------------------------------------------
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for RANGE in tl.static_range(N_KEY_RANGES):
+            dq = _attn_bwd_dq_inner(
+                dq, q, do, lse2, delta, K_tile, V_tile, block_list, m0, seq_len, sink, window, first_tile,
+                n_listed, qk_scale, stride_ks, stride_vs, RANGE=RANGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                HEAD_DIM=HEAD_DIM, TILES_PER_BLOCK=MASK_BLOCK // BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+
+        # -- 5. store --------------------------------------------------------------------------------------
+        tl.store(DQ + b.to(tl.int64) * stride_dqb + h_q.to(tl.int64) * stride_dqh
+                 + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
+                 (dq * sm_scale).to(DQ.dtype.element_ty),
+                 mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM))
+
+
+def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_args, block_size, has_bs):
+    """(dq, dk, dv) in the inputs' dtypes from two launches (dk/dv, then dq)."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if S == 0:
+        return dq, dk, dv
+    kv_idx, kv_cnt, q_idx, q_cnt, diag = bs_args
+    M1, N1, M2, N2, num_warps, num_stages = _bwd_tile_config(D, q.dtype, block_size, has_bs, _interpreting())
+    # Δ_i = Σ_d dO_id O_id, and the LSE in log2 units with an empty row's -inf turned to +inf
+    # (its p = exp2(s - lse) must be 0, not exp2(-inf + inf) = NaN).
+    delta = (do.float() * o.float()).sum(-1).contiguous()                       # (B, Hq, S)
+    lse2 = torch.where(torch.isneginf(lse), float("inf"), lse * 1.4426950408889634).contiguous()
+    sm_scale = 1.0 / math.sqrt(D)
+    common = dict(BLOCK_D=max(16, triton.next_power_of_2(D)), HEAD_DIM=D, HAS_BLOCK_SPARSE=has_bs,
+                  DOT_PRECISION=_dot_precision(q.dtype),
+                  num_warps=num_warps, num_stages=num_stages)
+    n_k_tiles = triton.cdiv(S, N1)
+    _hybrid_attention_bwd_dkdv[(B * Hkv * n_k_tiles,)](
+        q, k, v, do, lse2, delta, dk, dv, modes32, q_idx, q_cnt, diag,
+        S, n_k_tiles, Hkv, Hq // Hkv, sink, window, sm_scale * 1.4426950408889634, sm_scale,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        lse2.stride(0), lse2.stride(1), *modes32.stride(),
+        q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), q_cnt.stride(0), q_cnt.stride(1),
+        diag.stride(0), diag.stride(1),
+        BLOCK_M=M1, BLOCK_N=N1, MASK_BLOCK=block_size if has_bs else M1, **common)
+    n_q_tiles = triton.cdiv(S, M2)
+    _hybrid_attention_bwd_dq[(B * Hq * n_q_tiles,)](
+        q, k, v, do, lse2, delta, dq, modes32, kv_idx, kv_cnt, diag,
+        S, n_q_tiles, Hkv, Hq // Hkv, sink, window, sm_scale * 1.4426950408889634, sm_scale,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        lse2.stride(0), lse2.stride(1), *modes32.stride(),
+        kv_idx.stride(0), kv_idx.stride(1), kv_idx.stride(2), kv_cnt.stride(0), kv_cnt.stride(1),
+        diag.stride(0), diag.stride(1),
+        BLOCK_M=M2, BLOCK_N=N2, MASK_BLOCK=block_size if has_bs else N2, **common)
+    return dq, dk, dv
+
+# -----------------------------------------------------------------------------
+# 5. The fused kernel as one differentiable function.
+
+class _FusedHybridAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, modes32, sink, window, block_mask, block_size, config):
+        has_bs = block_mask is not None
+        bs_args = _block_sparse_args(block_mask, q.device)
+        o, lse = _hybrid_attention_fwd_launch(q, k, v, modes32, sink, window, bs_args, block_size, has_bs, config)
+        ctx.save_for_backward(q, k, v, o, lse, modes32, *bs_args)
+        ctx.sink, ctx.window, ctx.block_size, ctx.has_bs = sink, window, block_size, has_bs
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):  # the LSE is an output for callers, not differentiated through
+        q, k, v, o, lse, modes32, *bs_args = ctx.saved_tensors
+        dq, dk, dv = _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, ctx.sink, ctx.window,
+                                                  bs_args, ctx.block_size, ctx.has_bs)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, *,
+                           return_lse=False, config=None):
+    """Fused causal hybrid attention, forward and backward: each (sample, KV head) in its own mode.
+    q (B, Hq, S, D); k, v (B, Hkv, S, D); modes (B, Hkv) int; block_mask (B, Hkv, nB, nB) bool at
+    block_size, needed when a head is BLOCK_SPARSE. Returns o (B, Hq, S, D) in q's dtype, and with
+    return_lse=True also the log-sum-exp (B, Hq, S) float32 (-inf for a row with no visible key).
+    Same numbers as hybrid_attention_reference; gradients as hybrid_attention_reference_grad.
+
+    Forward grid: one program per (sample, query head, BLOCK_M query rows), B·Hq·ceil(S/BLOCK_M)
+    programs ordered (sample, KV head) → query tile (last first) → the G query heads of the KV head
+    (adjacent, so the K/V tiles they share are read from L2). Each walks its mode's key tiles:
+        FULL          tiles before the diagonal unmasked, then the diagonal band masked (causal).
+        STREAMING     sink tiles (unmasked; the partial one masked), then the window tiles from
+                      the first one any row reaches (masked until every row reaches them,
+                      unmasked after), then the diagonal band; tiles in between are skipped.
+        BLOCK_SPARSE  the listed off-diagonal blocks (block_lists, gathered, unmasked), then, if
+                      the diagonal block is on, its tiles up to the band like FULL.
+    Backward: dk/dv programs per (sample, KV head, key tile) walk the transposed ranges (a sink
+    tile: every later query tile; a window tile: the next `window` rows; a block: its own block and
+    the listed query blocks below), dq programs per query tile the forward's.
+    Cost model (masks.attention_flops): 4·D FLOPs per visible pair per query head forward, 2.5×
+    that backward; the kernels compute whole tiles, so about BLOCK_M/2 extra keys per row on each
+    masked edge (window start, partial sink tile, diagonal).
+
+    config=(BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the forward's _tile_config. Passing a
+    block_mask compiles the list walk in and sizes the tiles for its block_size, whatever the modes:
+    pass None when no head is BLOCK_SPARSE (this avoids a host sync to look at the modes).
+    Non-contiguous q/k/v are fine (the kernels take strides); the outputs are contiguous.
     """
     B, Hq, Hkv, S, D = check_qkv(q, k, v)
     check_sparse_params(sink, window, block_size)
+    reason = triton_unsupported(q.dtype, D, block_size, block_mask is not None, q.is_cuda)
+    if reason is not None:
+        raise ValueError(reason)
     check_modes(modes, B, Hkv, device=q.device)
     check_block_mask(block_mask, modes, S, block_size)
-    if backend not in ("auto", "reference", "triton", "sdpa"):
-        raise ValueError(f"backend must be 'auto', 'reference', 'triton' or 'sdpa', got {backend!r}")
-    def uniform():  # one mode for every head (host syncs, so asked only when needed)
-        if not modes.numel() or not bool((modes == modes.flatten()[0]).all()):
-            return False
-        # BLOCK_SPARSE rows see themselves iff every diagonal block is on (XAttention always keeps it)
-        return int(modes.flatten()[0]) != BLOCK_SPARSE or bool(block_mask.diagonal(dim1=-2, dim2=-1).all())
-    if backend == "auto":
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        if q.is_cuda and not needs_grad and _HAS_TRITON:
-            backend = "triton"
-        else:
-            backend = "sdpa" if q.dtype != torch.float64 and uniform() else "reference"
-    if backend == "triton":
-        return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
-    if backend == "sdpa":
-        if not uniform():
-            raise ValueError(f"backend 'sdpa' needs one mode for all heads (BLOCK_SPARSE: with every diagonal "
-                             f"block on), got modes {modes.unique().tolist()}")
-        return uniform_attention_sdpa(q, k, v, int(modes.flatten()[0]), sink, window, block_mask, block_size)
-    mask = hybrid_mask(S, modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S), per KV head
-    return naive_attention(q, k, v, mask)
+    has_bs = block_mask is not None
+    config = config or _tile_config(D, q.dtype, block_size, has_bs, _interpreting())
+    if has_bs and max(config[0], config[1]) > block_size:
+        raise ValueError(f"config BLOCK_M={config[0]}, BLOCK_N={config[1]} must not exceed "
+                         f"block_size={block_size} for BLOCK_SPARSE heads")
+    sink, window = min(sink, S), min(window, S)   # beyond S they change nothing; keeps int32 math safe
+    o, lse = _FusedHybridAttention.apply(q, k, v, modes.to(torch.int32), sink, window, block_mask,
+                                         block_size, tuple(config))
+    return (o, lse) if return_lse else o
 
+# -----------------------------------------------------------------------------
+# 6. The torch backend for heads that share one mode.
 
 def uniform_attention_sdpa(q, k, v, mode, sink, window, block_mask=None, block_size=64):
     """Every head in one mode: torch's scaled_dot_product_attention. FULL uses is_causal (so the
@@ -82,361 +804,33 @@ def uniform_attention_sdpa(q, k, v, mode, sink, window, block_mask=None, block_s
     out = torch.stack([sdpa(qg[:, :, g], k, v, attn_mask=mask) for g in range(Hq // Hkv)], dim=2)
     return out.view(B, Hq, S, D)
 
-
 # -----------------------------------------------------------------------------
-# Triton: fused hybrid attention.
+# 7. The one entry point the model calls.
 
-
-def hybrid_attention_reference(q, k, v, modes, sink, window, block_mask=None, block_size=64):
-    """The naive twin of fused_hybrid_attention (same signature): naive_attention on the dense
-    hybrid_mask. Costs B·Hkv·S² bytes of mask plus B·Hq·S² floats of scores, written and read
-    three times; the kernel below computes the same numbers from O(S) tile bounds instead."""
-    mask = hybrid_mask(q.shape[2], modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S)
-    return naive_attention(q, k, v, mask)
-
-
-def attention_flops(seq_len, modes, sink, window, block_mask=None, block_size=64, head_dim=128, group=1):
-    """Cost model of the forward pass: 4·D FLOPs per visible (query, key) pair per query head
-    (QKᵀ and PV, each one multiply-add = 2 FLOPs per element of D). Summed over (B, Hkv) heads
-    times group = G query heads each. Per head mode, with P = visible pairs:
-        FULL          P = S(S+1)/2
-        STREAMING     P = Σ_i min(i+1, window) + clamp(i+1-window, 0, sink)   (≈ S·(window+sink))
-        BLOCK_SPARSE  P = Σ over switched-on causal blocks (block_size² off the diagonal, a triangle on it)
-    Masked-out pairs inside a computed tile are not counted: this is the *useful* work, the number
-    the benchmark's TFLOP/s and ideal speedups are based on (the same convention as FlashAttention's
-    causal TFLOP/s)."""
-    kept = kept_pairs(seq_len, modes, sink, window, block_mask, block_size)  # (B, Hkv) float64
-    return float(4 * head_dim * group * kept.sum())
-
-
-def block_lists(block_mask):
-    """Compact per-row key-block lists from a bool block mask (B, Hkv, nB, nB):
-    kv_block_idx (B, Hkv, nB, max_blocks) int32 and kv_block_cnt (B, Hkv, nB) int32, so that query
-    block r walks kv_block_idx[b, h, r, :kv_block_cnt[b, h, r]]. Only causal blocks (c <= r) are
-    kept, in ascending order: the diagonal block, when on, is the last entry. Entries past the count
-    are padding and never read. max_blocks = nB, so that no host sync is needed to size the lists
-    (4 bytes per block-mask entry; the mask itself is never S×S)."""
-    nB = block_mask.shape[-1]
-    below_diag = torch.ones(nB, nB, dtype=torch.bool, device=block_mask.device).tril()  # (nB, nB)
-    on = block_mask & below_diag                                   # (B, Hkv, nB, nB)
-    kv_block_cnt = on.sum(-1, dtype=torch.int32)                   # (B, Hkv, nB)
-    # Switched-on block c of a row goes to slot (number of switched-on blocks before it); the
-    # others are scattered into a spare column nB that is cut off afterwards.
-    slot = torch.where(on, on.cumsum(-1) - 1, nB)                   # (B, Hkv, nB, nB)
-    col = torch.arange(nB, dtype=torch.int32, device=block_mask.device).expand_as(slot)
-    kv_block_idx = torch.zeros(*on.shape[:-1], nB + 1, dtype=torch.int32, device=block_mask.device)
-    kv_block_idx.scatter_(-1, slot, col)
-    return kv_block_idx[..., :nB].contiguous(), kv_block_cnt      # (B, Hkv, nB, nB), (B, Hkv, nB)
-
-
-if _HAS_TRITON:
-    # Module-level ints used inside @triton.jit code must be tl.constexpr.
-    _STREAMING = tl.constexpr(STREAMING)
-    _BLOCK_SPARSE = tl.constexpr(BLOCK_SPARSE)
-    _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: converts the log2-domain LSE back to natural log
-
-    @triton.jit
-    def _load_tile(ptrs, rows, seq_len, offs_d,
-                   HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr):
-        """Load a (rows, BLOCK_D) tile; masks only what can be out of bounds, so interior tiles
-        of a power-of-two head dim are plain unmasked loads."""
-        if CHECK_ROWS and PAD_D:
-            return tl.load(ptrs, mask=(rows[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        elif CHECK_ROWS:
-            return tl.load(ptrs, mask=rows[:, None] < seq_len, other=0.0)
-        elif PAD_D:
-            return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        else:
-            return tl.load(ptrs)
-
-    @triton.jit
-    def _attn_tiles(acc, l_i, m_i, q, k_tile, v_tile, block_list, lo, hi, offs_m,
-                    seq_len, sink, window, qk_scale, stride_ks, stride_vs,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    MASKED: tl.constexpr, GATHER: tl.constexpr, TILES_PER_BLOCK: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-        """The inner loop: fold key tiles lo … hi-1 into the online softmax state (acc, l_i, m_i).
-        k_tile / v_tile point at keys 0 … BLOCK_N-1 of this KV head; tile t adds n0·stride.
-
-        GATHER=False: tile t holds keys t·BLOCK_N … (t+1)·BLOCK_N - 1.
-        GATHER=True:  tile t is sub-tile t % TILES_PER_BLOCK of mask block block_list[t // TILES_PER_BLOCK].
-        MASKED=False: the caller guarantees every (query, key) pair of every tile is visible and in
-                      bounds: no index math, no -inf, no load masks. This is where the FLOPs are.
-        MASKED=True:  the token-exact hybrid predicate  j <= i and (j < sink or i - j < window)
-                      (FULL and BLOCK_SPARSE heads pass sink = 0 and a window longer than S).
-        """
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-        for t in range(lo, hi):
-            # -- which keys this tile holds ----------------------------------------------------------
-            if GATHER:
-                n0 = tl.load(block_list + t // TILES_PER_BLOCK) * (TILES_PER_BLOCK * BLOCK_N) \
-                    + (t % TILES_PER_BLOCK) * BLOCK_N
-            else:
-                n0 = t * BLOCK_N
-            offs_kv = n0 + offs_n                                                   # (BLOCK_N,)
-
-            # -- scores qk = q kᵀ in fp32 ------------------------------------------------------------
-            k = _load_tile(k_tile + n0 * stride_ks, offs_kv, seq_len, offs_d,
-                           HEAD_DIM, MASKED, PAD_D)                                 # (BLOCK_N, BLOCK_D)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)              # (BLOCK_M, BLOCK_N)
-
-            # -- online softmax in the log2 domain (qk_scale already holds 1/ln 2) -------------------
-            if MASKED:
-                i = offs_m[:, None]
-                j = offs_kv[None, :]
-                # Keys past S only meet padding rows i >= S (causality), whose output is never stored,
-                # and were loaded as zeros: no separate j < S test is needed.
-                visible = (j <= i) & ((j < sink) | (i - j < window))                # (BLOCK_M, BLOCK_N)
-                qk = tl.where(visible, qk * qk_scale, float("-inf"))
-                m_ij = tl.maximum(m_i, tl.max(qk, 1))
-                # A row that has seen no key yet keeps m = -inf; subtracting 0 instead avoids
-                # exp2(-inf - (-inf)) = NaN (its p and alpha come out as exactly 0).
-                m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-                qk = qk - m_sub[:, None]
-            else:
-                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-                m_sub = m_ij
-                qk = qk * qk_scale - m_sub[:, None]
-            p = tl.math.exp2(qk)                                                    # (BLOCK_M, BLOCK_N)
-            alpha = tl.math.exp2(m_i - m_sub)            # rescales what was summed under the old max
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-
-            # -- acc += p v ----------------------------------------------------------------------------
-            v = _load_tile(v_tile + n0 * stride_vs, offs_kv, seq_len, offs_d,
-                           HEAD_DIM, MASKED, PAD_D)                                 # (BLOCK_N, BLOCK_D)
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)      # (BLOCK_M, BLOCK_D)
-            m_i = m_ij
-        return acc, l_i, m_i
-
-    # Sizes that change from call to call are not specialised (Triton would otherwise compile one
-    # variant per "divisible by 16" / "equal to 1" pattern of seq_len, sink, window, ...).
-    @triton.jit(do_not_specialize=["seq_len", "n_q_tiles", "H_KV", "G", "sink", "window"])
-    def _hybrid_attention_fwd(
-        Q, K, V, Out, Lse, Modes, HeadOrder, BlockIdx, BlockCnt,          # pointers
-        seq_len, n_q_tiles, H_KV, G, sink, window, qk_scale,               # sizes and scalars
-        stride_qb, stride_qh, stride_qs, stride_qd,                        # strides
-        stride_kb, stride_kh, stride_ks, stride_kd,
-        stride_vb, stride_vh, stride_vs, stride_vd,
-        stride_ob, stride_oh, stride_os, stride_od,
-        stride_lb, stride_lh, stride_mb, stride_mh,
-        stride_ib, stride_ih, stride_ir, stride_cb, stride_ch,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        MASK_BLOCK: tl.constexpr, HAS_BLOCK_SPARSE: tl.constexpr, RETURN_LSE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        """One program = one BLOCK_M-row query tile of one (sample, query head). The grid, the tile
-        walk per mode and the cost model are in fused_hybrid_attention's docstring."""
-        # -- 1. program id -> (query tile, sample, KV head, query head) --------------------------------
-        # Launch order, fastest-varying first: the G query heads of one KV head (they read the same
-        # K/V tiles, which then come from L2), then the query tiles from the last (the most work
-        # under causality) to the first, then the (sample, KV head) slots in HeadOrder's order.
-        pid = tl.program_id(0)
-        g = pid % G
-        tile = n_q_tiles - 1 - (pid // G) % n_q_tiles
-        bh = tl.load(HeadOrder + pid // (G * n_q_tiles))   # b·H_KV + h_kv
-        b = bh // H_KV
-        h_kv = bh % H_KV
-        h_q = h_kv * G + g
-        m0 = tile * BLOCK_M                                   # first query row of this tile
-        mode = tl.load(Modes + b * stride_mb + h_kv * stride_mh)
-
-        # -- 2. offsets and pointers (int64 bases: B·H·S·D can pass 2³¹) -------------------------------
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-        q_base = Q + b.to(tl.int64) * stride_qb + h_q.to(tl.int64) * stride_qh
-        k_tile = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh \
-            + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd      # keys 0 … BLOCK_N-1
-        v_tile = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh \
-            + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
-        q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                       offs_m, seq_len, offs_d, HEAD_DIM, True, PAD_D)       # (BLOCK_M, BLOCK_D)
-
-        # -- 3. the key tiles this mode needs, as tile-index ranges (keys t·BLOCK_N …) ---------------
-        # FULL is STREAMING with no sink and a window longer than any row can look back.
-        is_stream = mode == _STREAMING
-        eff_sink = tl.where(is_stream, sink, 0)
-        eff_window = tl.where(is_stream, window, seq_len + BLOCK_M)
-        diag_lo = m0 // BLOCK_N                                        # first tile of the diagonal band
-        band_hi = tl.cdiv(tl.minimum(m0 + BLOCK_M, seq_len), BLOCK_N)  # one past its last tile
-        # Window: tiles from win_start are reached by some row of the tile; from win_full on by every
-        # row (the last row, m0+BLOCK_M-1, still reaches back to them) and they end before row m0.
-        win_start = tl.maximum(m0 - eff_window + 1, 0) // BLOCK_N
-        win_full = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - eff_window, 0), BLOCK_N), diag_lo)
-        # Sink: the whole sink tiles, then the partial one; both stop where the window tiles begin.
-        sink_end = tl.minimum(tl.cdiv(eff_sink, BLOCK_N), win_start)
-        sink_full = tl.minimum(eff_sink // BLOCK_N, sink_end)
-        # BLOCK_SPARSE: the listed off-diagonal blocks (gathered, unmasked); the diagonal block, when
-        # listed, is walked like FULL from its first key tile (window ranges start there).
-        n_off = 0
-        block_list = BlockIdx
-        if HAS_BLOCK_SPARSE:
-            is_bs = mode == _BLOCK_SPARSE
-            r = m0 // MASK_BLOCK                                       # this tile's block-mask row
-            block_list = BlockIdx + b * stride_ib + h_kv * stride_ih + r * stride_ir
-            cnt = tl.where(is_bs, tl.load(BlockCnt + b * stride_cb + h_kv * stride_ch + r), 0)
-            last = tl.load(block_list + cnt - 1, mask=cnt > 0, other=-1)
-            has_diag = last == r                           # lists are ascending: the diagonal is last
-            n_off = cnt - has_diag.to(tl.int32)
-            diag_start = tl.where(has_diag, (r * MASK_BLOCK) // BLOCK_N, diag_lo)
-            win_start = tl.where(is_bs, diag_start, win_start)
-            win_full = tl.where(is_bs, diag_start, win_full)
-            band_hi = tl.where(is_bs & (cnt == n_off), diag_lo, band_hi)  # diagonal off: no band
-
-        # -- 4. the tile loops: unmasked where every pair is visible, masked only on the edges ---------
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")   # running max (log2 units)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                  # running Σ exp2(s - m_i)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)         # running Σ p v
-        TPB: tl.constexpr = MASK_BLOCK // BLOCK_N                     # key tiles per mask block
-        # Each call: (..., lo, hi, ..., MASKED, GATHER, ...). Order does not change the result.
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_tile, v_tile, block_list, 0, n_off * TPB, offs_m,
-                                    seq_len, eff_sink, eff_window, qk_scale, stride_ks, stride_vs,
-                                    BLOCK_N, BLOCK_D, HEAD_DIM, False, True, TPB, DOT_PRECISION)   # listed blocks
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_tile, v_tile, block_list, 0, sink_full, offs_m,
-                                    seq_len, eff_sink, eff_window, qk_scale, stride_ks, stride_vs,
-                                    BLOCK_N, BLOCK_D, HEAD_DIM, False, False, TPB, DOT_PRECISION)  # whole sink
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_tile, v_tile, block_list, sink_full, sink_end, offs_m,
-                                    seq_len, eff_sink, eff_window, qk_scale, stride_ks, stride_vs,
-                                    BLOCK_N, BLOCK_D, HEAD_DIM, True, False, TPB, DOT_PRECISION)   # sink edge
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_tile, v_tile, block_list, win_start, win_full, offs_m,
-                                    seq_len, eff_sink, eff_window, qk_scale, stride_ks, stride_vs,
-                                    BLOCK_N, BLOCK_D, HEAD_DIM, True, False, TPB, DOT_PRECISION)   # window edge
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_tile, v_tile, block_list, win_full, diag_lo, offs_m,
-                                    seq_len, eff_sink, eff_window, qk_scale, stride_ks, stride_vs,
-                                    BLOCK_N, BLOCK_D, HEAD_DIM, False, False, TPB, DOT_PRECISION)  # window body
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_tile, v_tile, block_list, diag_lo, band_hi, offs_m,
-                                    seq_len, eff_sink, eff_window, qk_scale, stride_ks, stride_vs,
-                                    BLOCK_N, BLOCK_D, HEAD_DIM, True, False, TPB, DOT_PRECISION)   # diagonal band
-
-        # -- 5. normalise and store; a row that saw no key (an empty block row) is 0, not NaN ----------
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        o_ptrs = Out + b.to(tl.int64) * stride_ob + h_q.to(tl.int64) * stride_oh \
-            + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty),
-                 mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM))
-        if RETURN_LSE:
-            # log Σ_j exp(s_ij) = ln 2 · (m_i + log2 l_i): m_i and l_i live in the log2 domain.
-            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
-            tl.store(Lse + b.to(tl.int64) * stride_lb + h_q * stride_lh + offs_m, lse, mask=offs_m < seq_len)
-
-
-def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Fixed choices, no autotuning (NOTES_kernels.md
-    has the measurements behind them):
-      - H200, D <= 128, 16-bit: 128×64 tiles, 8 warps (two warpgroups of 64 query rows each for
-        Hopper's wgmma), 4 stages of K/V prefetch (~160 KB of shared memory at D = 128). On the
-        H200 at S = 32K this measured 472 TF/s all-FULL; 3 stages 462-476, 128×128 tiles (2 stages)
-        442, 64×64 (4 warps) 444: the differences between 64-wide configs are within run-to-run noise.
-      - D > 128 or fp32: the accumulator (BLOCK_M × D fp32) and K/V tiles double, so halve the tiles.
-      - Interpreter: small tiles so short test sequences still cross several tiles and every
-        edge case (partial sink/window/diagonal tiles) is exercised.
-    BLOCK_SPARSE heads need every query tile inside one block-mask row and every key tile inside
-    one block-mask column: BLOCK_N <= BLOCK_M <= block_size (all powers of two)."""
-    if interpret:
-        bm, bn, warps, stages = 32, 16, 4, 1
-    elif D <= 128 and dtype != torch.float32:
-        bm, bn, warps, stages = 128, 64, 8, 4
-    else:
-        bm, bn, warps, stages = 64, 32, 4, 2
-    if has_block_sparse:
-        bm = min(bm, block_size)
-        bn = min(bn, bm)
-    return bm, bn, warps, stages
-
-
-def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, *,
-                           return_lse=False, heavy_first=False, config=None):
-    """Fused causal hybrid attention: one Triton launch, each (sample, KV head) in its own mode.
-    q (B, Hq, S, D); k, v (B, Hkv, S, D); modes (B, Hkv) int; block_mask (B, Hkv, nB, nB) bool at
-    block_size, needed when a head is BLOCK_SPARSE. Returns o (B, Hq, S, D) in q's dtype, and with
-    return_lse=True also the log-sum-exp (B, Hq, S) float32 (-inf for a row with no visible key).
-    Same numbers as hybrid_attention_reference; forward only.
-
-    Grid: one program per (sample, query head, BLOCK_M query rows): B·Hq·ceil(S/BLOCK_M) programs
-    in a 1-d launch ordered (sample, KV head) → query tile (last first) → the G query heads of the
-    KV head (adjacent, so the K/V tiles they share are read from L2). heavy_first=True puts FULL
-    heads first; on the H200 it made no difference beyond noise (7.12 vs 7.00 ms, S = 32K,
-    f = 0.75), so the default is plain index order.
-    Tile walk of the program that owns rows m0 … m0+BLOCK_M-1 (key tiles of BLOCK_N):
-        FULL          tiles 0 … m0-1 unmasked, then the diagonal band masked (causal).
-        STREAMING     sink tiles (unmasked; the partial one masked), then the window tiles from
-                      the first one any row reaches (masked until every row reaches them,
-                      unmasked after), then the diagonal band; tiles in between are skipped.
-        BLOCK_SPARSE  the listed off-diagonal blocks (from block_lists, gathered, unmasked),
-                      then, if the diagonal block is on, its tiles up to the band like FULL.
-    Cost model (attention_flops): 4·D FLOPs per visible pair per query head. FULL ~ 2·D·S² per
-    head; STREAMING ~ 4·D·S·(window + sink), linear in S; BLOCK_SPARSE ~ 4·D·(kept blocks)·block².
-    The kernel computes whole tiles, so it spends a little more: about BLOCK_M/2 extra keys per row
-    on each masked edge (window start, partial sink tile, diagonal).
-
-    Keyword extras: return_lse; heavy_first (above); config=(BLOCK_M, BLOCK_N, num_warps,
-    num_stages) overrides _tile_config. Passing a block_mask compiles the list walk in and sizes
-    the tiles for its block_size (BLOCK_M <= block_size), whatever the modes: pass None when no
-    head is BLOCK_SPARSE (this avoids a host sync to look at the modes).
-    Non-contiguous q/k/v are fine (the kernel takes strides); the output is contiguous.
+def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, backend="auto"):
+    """Causal attention where each (sample, KV head) runs its own mode. q (B, Hq, S, D),
+    k/v (B, Hkv, S, D), modes int (B, Hkv). Returns (B, Hq, S, D) in q's dtype. Every backend is
+    differentiable; the choice never depends on grad mode:
+        "reference"  naive_attention on masks.hybrid_mask: any modes and dtypes (float64 too).
+        "torch"      torch SDPA when every head has one mode (BLOCK_SPARSE: with every diagonal
+                     block on), else "reference".
+        "triton"     the fused kernel (fused_hybrid_attention); a ValueError outside its limits
+                     (triton_unsupported).
+        "auto"       "triton" when q is on CUDA and the kernel supports the call, else "torch".
     """
-    if not _HAS_TRITON:
-        raise RuntimeError("fused_hybrid_attention needs triton; use backend='reference'")
     B, Hq, Hkv, S, D = check_qkv(q, k, v)
     check_sparse_params(sink, window, block_size)
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"fused_hybrid_attention supports float16, bfloat16 and float32, got {q.dtype}")
-    if not 16 <= D <= 256:
-        raise ValueError(f"head dim D={D} out of range: the Triton kernel supports 16 <= D <= 256")
     check_modes(modes, B, Hkv, device=q.device)
     check_block_mask(block_mask, modes, S, block_size)
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if not q.is_cuda and not interpret:
-        raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA tensors "
-                         "(or TRITON_INTERPRET=1 set before importing triton, to run it on the CPU)")
-    if interpret and q.dtype == torch.bfloat16:
-        raise ValueError("the Triton CPU interpreter does not support bfloat16; use float16/float32")
-    has_bs = block_mask is not None  # compile the list walk in; no host sync to look at the modes
-    if has_bs and block_size < 16:
-        raise ValueError(f"block_size={block_size}: a block_mask needs block_size >= 16 in the "
-                         "Triton kernel (tiles follow the mask's blocks; tl.dot needs 16 rows)")
-
-    o = torch.empty(B, Hq, S, D, dtype=q.dtype, device=q.device)     # (B, Hq, S, D) contiguous
-    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device) if return_lse else o
-    if S == 0:
-        return (o, lse) if return_lse else o
-    BLOCK_M, BLOCK_N, num_warps, num_stages = config or _tile_config(D, q.dtype, block_size, has_bs, interpret)
-    if has_bs and not (BLOCK_N <= BLOCK_M <= block_size):
-        raise ValueError(f"config BLOCK_M={BLOCK_M}, BLOCK_N={BLOCK_N} must satisfy "
-                         f"BLOCK_N <= BLOCK_M <= block_size={block_size} for BLOCK_SPARSE heads")
-    BLOCK_D = max(16, triton.next_power_of_2(D))  # a non-power-of-two D is padded and masked
-
-    modes32 = modes.to(torch.int32)                                   # (B, Hkv)
-    if heavy_first:  # FULL (the longest programs) first, so no long program starts last
-        head_order = torch.argsort((modes32 != FULL).flatten().to(torch.int32), stable=True)
-    else:
-        head_order = torch.arange(B * Hkv, device=q.device)
-    head_order = head_order.to(torch.int32)                           # (B·Hkv,) of b·Hkv + h
-    if has_bs:
-        kv_block_idx, kv_block_cnt = block_lists(block_mask)          # (B, Hkv, nB, max), (B, Hkv, nB)
-    else:
-        kv_block_idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=q.device)  # never read
-        kv_block_cnt = kv_block_idx[..., 0]
-    n_q_tiles = triton.cdiv(S, BLOCK_M)
-    sink, window = min(sink, S), min(window, S)    # beyond S they change nothing; keeps int32 math safe
-    qk_scale = 1.4426950408889634 / math.sqrt(D)   # softmax scale 1/√D times 1/ln 2: we use exp2
-
-    grid = (B * Hq * n_q_tiles,)
-    _hybrid_attention_fwd[grid](
-        q, k, v, o, lse, modes32, head_order, kv_block_idx, kv_block_cnt,
-        S, n_q_tiles, Hkv, Hq // Hkv, sink, window, qk_scale,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        lse.stride(0), lse.stride(1), *modes32.stride(),
-        kv_block_idx.stride(0), kv_block_idx.stride(1), kv_block_idx.stride(2),
-        kv_block_cnt.stride(0), kv_block_cnt.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=D,
-        MASK_BLOCK=block_size if has_bs else BLOCK_N, HAS_BLOCK_SPARSE=has_bs, RETURN_LSE=return_lse,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # true fp32 products for fp32
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return (o, lse) if return_lse else o
+    backend = resolve_backend(backend, q.dtype, D, block_size, block_mask is not None, q.is_cuda)
+    if backend == "triton":
+        return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
+    if backend == "torch" and modes.numel():
+        mode = modes.flatten()[0]
+        uniform = bool((modes == mode).all())  # host sync: only the torch backend asks
+        # BLOCK_SPARSE rows see themselves iff every diagonal block is on (XAttention always keeps it)
+        if uniform and int(mode) == BLOCK_SPARSE:
+            uniform = bool(block_mask.diagonal(dim1=-2, dim2=-1).all())
+        if uniform:
+            return uniform_attention_sdpa(q, k, v, int(mode), sink, window, block_mask, block_size)
+    return hybrid_attention_reference(q, k, v, modes, sink, window, block_mask, block_size)

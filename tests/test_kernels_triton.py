@@ -1,4 +1,5 @@
-"""The fused Triton kernel against the float64 naive reference.
+"""The fused Triton kernel, forward and backward, against its float64 naive twins
+(kernels.hybrid_attention_reference and hybrid_attention_reference_grad), and the backend choice.
 
 On a machine without CUDA the kernel runs under Triton's CPU interpreter (conftest.py sets
 TRITON_INTERPRET=1) in float32/float16 with small tiles; on a GPU the same tests run with the real
@@ -6,7 +7,8 @@ tiles, plus bf16/fp16 cases at S up to 8K.
 
 Tolerance (flash-attention's rule): the kernel's max error against a float64 reference may be at
 most 2× the max error of torch's own attention (SDPA) run in the same dtype, plus a tiny absolute
-floor for float32, where both errors are round-off-sized.
+floor for float32, where both errors are round-off-sized. Gradients in float32: within 1e-4 of the
+largest reference gradient.
 """
 import math
 
@@ -53,8 +55,9 @@ def sdpa_same_dtype(q, k, v, mask):
 
 
 def assert_close_to_reference(out, q, k, v, modes, sink, window, block_mask, block_size):
+    ref = kernels.hybrid_attention_reference(q.double(), k.double(), v.double(), modes, sink, window,
+                                             block_mask, block_size)               # float64 truth
     mask = masks.hybrid_mask(q.shape[2], modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S)
-    ref = masks.naive_attention(q.double(), k.double(), v.double(), mask)             # float64 truth
     err = (out.double() - ref).abs()
     torch_err = (sdpa_same_dtype(q, k, v, mask).double() - ref).abs().max().item()
     bound = 2 * torch_err + FLOOR[q.dtype]
@@ -183,28 +186,166 @@ def test_gqa_ratio_8():
     assert_close_to_reference(out, q, k, v, modes, 1, 6, bm, 16)
 
 
-def test_hybrid_attention_dispatches_to_the_kernel():
-    q, k, v, modes, bm = make_case(1, 2, 2, 33, 16, torch.float32, seed=8, block_size=16)
-    fused = kernels.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="triton")
-    reference = kernels.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="reference")
-    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
-
-
 def test_attention_flops_cost_model():
     S, D, G = 300, 64, 4
     modes = torch.tensor([[FULL, STREAMING, BLOCK_SPARSE]])
     bm = torch.rand(1, 3, masks.num_blocks(S, 32), masks.num_blocks(S, 32)) < 0.5
     pairs = masks.hybrid_mask(S, modes, 7, 50, bm, 32).sum().item()
-    assert kernels.attention_flops(S, modes, 7, 50, bm, 32, head_dim=D, group=G) == 4 * D * G * pairs
-    assert kernels.attention_flops(S, modes[:, :1], 0, 1, head_dim=D) == 4 * D * S * (S + 1) / 2
+    assert masks.attention_flops(S, modes, 7, 50, bm, 32, head_dim=D, group=G) == 4 * D * G * pairs
+    assert masks.attention_flops(S, modes[:, :1], 0, 1, head_dim=D) == 4 * D * S * (S + 1) / 2
 
 
-def test_block_lists_are_compact_causal_and_ascending():
-    bm = torch.tensor([[[[1, 1, 0], [0, 1, 1], [1, 0, 1]]]], dtype=torch.bool)   # (1, 1, 3, 3)
-    idx, cnt = kernels.block_lists(bm)
-    assert cnt.tolist() == [[[1, 1, 2]]]               # row 1's block 2 lies above the diagonal
-    assert idx[0, 0, 0, :1].tolist() == [0] and idx[0, 0, 1, :1].tolist() == [1]
-    assert idx[0, 0, 2, :2].tolist() == [0, 2]
+def test_block_lists_are_compact_off_diagonal_and_ascending():
+    bm = torch.tensor([[[[1, 1, 0, 0], [0, 1, 1, 0], [1, 1, 1, 0], [1, 0, 1, 0]]]], dtype=torch.bool)
+    idx, cnt = kernels.block_lists(bm)                  # per query block: key blocks c < r
+    assert cnt.tolist() == [[[0, 0, 2, 2]]]             # diagonals and blocks above it are not listed
+    assert idx[0, 0, 2, :2].tolist() == [0, 1] and idx[0, 0, 3, :2].tolist() == [0, 2]
+    idx, cnt = kernels.block_lists(bm, transpose=True)  # per key block: query blocks r > c
+    assert cnt.tolist() == [[[2, 1, 1, 0]]]
+    assert idx[0, 0, 0, :2].tolist() == [2, 3] and idx[0, 0, 1, :1].tolist() == [2]
+    assert idx[0, 0, 2, :1].tolist() == [3]
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dq, dk, dv against autograd through the float64 naive twin.
+
+def sdpa_grads_same_dtype(q, k, v, mask, do):
+    """torch's own gradients in q's dtype (every row must see a key: SDPA's empty rows are NaN)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    return torch.autograd.grad(sdpa_same_dtype(q, k, v, mask), (q, k, v), do)
+
+
+def assert_grads_close_to_reference(q, k, v, modes, sink, window, block_mask, block_size, seed):
+    """float32: each gradient within 1e-4 of the largest reference gradient entry (of dq, dk, dv:
+    a gradient that is exactly 0, as dk with window 1, is still a difference of round-off-sized
+    terms). 16-bit: within 2× the error of torch's own attention gradients in that dtype, plus the
+    forward's floor (relative to the largest entry when that is above 1)."""
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(q.device, q.dtype)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = kernels.fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    want = kernels.hybrid_attention_reference_grad(q.double(), k.double(), v.double(), modes, sink, window,
+                                                   block_mask, block_size, do.double())
+    if q.dtype != torch.float32:
+        mask = masks.hybrid_mask(q.shape[2], modes, sink, window, block_mask, block_size)
+        yardstick = sdpa_grads_same_dtype(q, k, v, mask, do)
+    largest = max(w.abs().max().item() for w in want)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert got[i].dtype == q.dtype and got[i].shape == (q, k, v)[i].shape
+        assert not got[i].isnan().any(), f"NaN in {name}"
+        err = (got[i].double() - want[i]).abs().max().item()
+        scale = want[i].abs().max().item()
+        if q.dtype == torch.float32:
+            bound = 1e-4 * largest
+        else:
+            bound = 2 * (yardstick[i].double() - want[i]).abs().max().item() + FLOOR[q.dtype] * max(scale, 1.0)
+        assert err <= bound, (f"{name}: max diff {err:.3e} > bound {bound:.3e} (largest |{name}| {scale:.3e}); "
+                              f"S={q.shape[2]} modes={modes.tolist()} sink={sink} window={window} "
+                              f"block_size={block_size} dtype={q.dtype}")
+
+
+@settings(SETTINGS, max_examples=20 if CUDA else 15)
+@given(case=hybrid_cases())
+def test_gradients_match_reference_drawn(case):
+    """Odd S, S below one tile, window >= S, sink 0, empty block rows, GQA 1–4, modes mixed per
+    sample: drawn as in the forward test."""
+    B, Hkv, G, S, D, sink, window, block_size, p_block, dtype, seed = case
+    q, k, v, modes, bm = make_case(B, Hkv, G, S, D, dtype, seed, block_size, p_block)
+    if dtype != torch.float32:   # torch's yardstick needs every row to see a key: diagonal blocks on
+        bm |= torch.eye(bm.shape[-1], dtype=torch.bool, device=bm.device)
+    assert_grads_close_to_reference(q, k, v, modes, sink, window, bm, block_size, seed)
+
+
+@pytest.mark.parametrize("G", [1, 8])
+def test_gradients_gqa_and_every_mode_in_one_launch(G):
+    """dk/dv sum over the G query heads of a KV head; sample 0 all FULL, sample 1 mixed."""
+    modes = torch.tensor([[FULL, FULL, FULL], [STREAMING, BLOCK_SPARSE, FULL]])
+    q, k, v, modes, bm = make_case(2, 3, G, 75, 16, torch.float32, seed=20 + G, block_size=16, modes=modes)
+    assert_grads_close_to_reference(q, k, v, modes, 5, 21, bm, 16, seed=G)
+
+
+def test_gradients_of_empty_rows_are_zero():
+    """Rows that see no key (an empty block row) have output 0 and pass no gradient anywhere."""
+    q, k, v, _, bm = make_case(1, 1, 2, 70, 32, torch.float32, seed=3, block_size=16, p_block=1.0)
+    bm[0, 0, 2] = False                                     # query block 2: rows 32…47 see nothing
+    modes = torch.full((1, 1), BLOCK_SPARSE, device=DEVICE)
+    q.requires_grad_()
+    kernels.fused_hybrid_attention(q, k, v, modes, 0, 1, bm, 16).sum().backward()
+    assert (q.grad[:, :, 32:48] == 0).all() and q.grad[:, :, :32].abs().sum() > 0
+    assert_grads_close_to_reference(q.detach(), k, v, modes, 0, 1, bm, 16, seed=3)
+
+
+@pytest.mark.parametrize("sink, window", [(0, 1), (0, 500), (40, 3), (17, 16), (200, 33)])
+def test_gradients_streaming_around_tile_edges(sink, window):
+    """The transposed walk: sink tiles seen by every later row, the partial sink tile, windows
+    shorter than a tile and longer than S."""
+    modes = torch.full((1, 1), STREAMING)
+    q, k, v, modes, _ = make_case(1, 1, 2, 131, 16, torch.float32, seed=sink + window, modes=modes)
+    assert_grads_close_to_reference(q, k, v, modes, sink, window, None, 64, seed=1)
+
+
+def test_gradients_with_several_key_tiles_per_block():
+    modes = torch.tensor([[BLOCK_SPARSE, STREAMING]])
+    q, k, v, modes, bm = make_case(1, 2, 2, 200, 16, torch.float32, seed=4, block_size=64,
+                                   p_block=0.5, modes=modes)
+    assert_grads_close_to_reference(q, k, v, modes, 3, 50, bm, 64, seed=4)
+
+
+def test_lse_is_an_output_not_a_gradient_path():
+    q, k, v, modes, bm = make_case(1, 1, 1, 20, 16, torch.float32, seed=5)
+    q.requires_grad_()
+    out, lse = kernels.fused_hybrid_attention(q, k, v, modes, 2, 5, bm, 16, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+
+# ----------------------------------------------------------------------------------------------
+# Which backend runs a call: the kernel's limits, never grad mode.
+
+def test_auto_falls_back_to_torch_outside_the_kernel_limits_on_cuda():
+    """On CUDA, auto used to pick Triton for head_dim 8 (a model that works on CPU) and raise."""
+    pick = kernels.resolve_backend
+    assert pick("auto", torch.float32, 8, 64, False, on_cuda=True) == "torch"      # D < 16
+    assert pick("auto", torch.float64, 64, 64, False, on_cuda=True) == "torch"     # no float64
+    assert pick("auto", torch.bfloat16, 512, 64, False, on_cuda=True) == "torch"   # D > 256
+    assert pick("auto", torch.float16, 64, 8, True, on_cuda=True) == "torch"       # blocks < 16
+    assert pick("auto", torch.bfloat16, 16, 64, True, on_cuda=True) == "triton"
+    assert pick("auto", torch.float32, 64, 64, False, on_cuda=False) == "torch"    # CPU: never auto-Triton
+    assert pick("reference", torch.float64, 8, 4, True, on_cuda=True) == "reference"
+
+
+@pytest.mark.parametrize("args, message", [
+    ((torch.float32, 8, 64, False, True), "D=8"),
+    ((torch.float64, 64, 64, False, True), "float64"),
+    ((torch.float16, 64, 8, True, True), "block_size=8"),
+])
+def test_triton_backend_outside_its_limits_names_the_value(args, message):
+    with pytest.raises(ValueError, match=message):
+        kernels.resolve_backend("triton", *args)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernels.resolve_backend("sdpa", *args)
+
+
+def test_backend_choice_does_not_depend_on_grad_mode():
+    q, k, v, modes, bm = make_case(1, 2, 2, 33, 16, torch.float32, seed=8, block_size=16)
+    q.requires_grad_()
+    fused = kernels.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="triton")
+    with torch.no_grad():
+        fused_no_grad = kernels.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="triton")
+    reference = kernels.hybrid_attention(q, k, v, modes, 2, 7, bm, 16, backend="reference")
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_no_grad, fused.detach(), atol=0, rtol=0)
+    assert fused.grad_fn is not None      # the triton backend is differentiable
+    (g_fused,) = torch.autograd.grad(fused.sum(), q)
+    (g_ref,) = torch.autograd.grad(reference.sum(), q)
+    torch.testing.assert_close(g_fused, g_ref, atol=1e-5, rtol=1e-4)
+
+
+def test_torch_backend_runs_mixed_modes_through_the_reference():
+    q, k, v, _, bm = make_case(1, 2, 2, 40, 16, torch.float32, seed=9, block_size=16)
+    mixed = torch.tensor([[FULL, STREAMING]], device=DEVICE)
+    out = kernels.hybrid_attention(q, k, v, mixed, 3, 9, backend="torch")
+    torch.testing.assert_close(out, kernels.hybrid_attention_reference(q, k, v, mixed, 3, 9), atol=1e-6, rtol=1e-6)
+    stream = torch.full((1, 2), STREAMING, device=DEVICE)    # one mode: SDPA with one (S, S) mask
+    out = kernels.hybrid_attention(q, k, v, stream, 3, 9, backend="torch")
+    torch.testing.assert_close(out, kernels.hybrid_attention_reference(q, k, v, stream, 3, 9), atol=1e-5, rtol=1e-5)
 
 # ----------------------------------------------------------------------------------------------
 # GPU only: the real tiles, 16-bit dtypes, long sequences.
@@ -230,6 +371,25 @@ def test_gpu_other_head_dims_dtypes_and_block_sizes(D, dtype, block_size):
     q, k, v, modes, bm = make_case(2, 2, 4, 777, D, dtype, seed=D, block_size=block_size, p_block=0.3)
     out = kernels.fused_hybrid_attention(q, k, v, modes, 16, 200, bm, block_size)
     assert_close_to_reference(out, q, k, v, modes, 16, 200, bm, block_size)
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S, D, G", [(4096, 128, 4), (8192, 16, 2), (1000, 64, 8)])
+def test_gpu_gradients_long_sequences(dtype, S, D, G):
+    """16-bit gradients at the real tiles, within 2× torch's own gradient error (diagonal blocks on)."""
+    modes = torch.tensor([[FULL, STREAMING, BLOCK_SPARSE, STREAMING]])
+    q, k, v, modes, bm = make_case(1, 4, G, S, D, dtype, seed=S + D, block_size=128, p_block=0.2,
+                                   modes=modes)
+    bm |= torch.eye(bm.shape[-1], dtype=torch.bool, device=bm.device)
+    assert_grads_close_to_reference(q, k, v, modes, 128, 1024, bm, 128, seed=S)
+
+
+@gpu
+def test_gpu_auto_backend_head_dim_8_runs_on_torch():
+    q, k, v, modes, bm = make_case(1, 2, 2, 64, 8, torch.float32, seed=1, block_size=16)
+    out = kernels.hybrid_attention(q, k, v, modes, 2, 9, bm, 16)     # auto: D = 8 is outside the kernel
+    torch.testing.assert_close(out, kernels.hybrid_attention_reference(q, k, v, modes, 2, 9, bm, 16),
+                               atol=1e-5, rtol=1e-5)
 
 # ----------------------------------------------------------------------------------------------
 # Bad input gets a ValueError that names the problem.
