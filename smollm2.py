@@ -408,13 +408,14 @@ class _Corpus:
     _cache = {}
 
     def __init__(self, tokenizer, split):
+        self.tokenizer = tokenizer  # held, so that its id cannot be reused by another one
         self.paragraphs = load_text(split)
         self.n_tokens = [len(tokenizer.encode(p)) for p in self.paragraphs]
 
     @classmethod
     def get(cls, tokenizer, split):
         key = (id(tokenizer), split)
-        if key not in cls._cache:
+        if key not in cls._cache or cls._cache[key].tokenizer is not tokenizer:
             cls._cache[key] = cls(tokenizer, split)
         return cls._cache[key]
 

@@ -6,6 +6,7 @@ installed. One test uses the real file when it is already cached (skipped otherw
 """
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -220,11 +221,7 @@ def test_refuses_what_the_model_does_not_implement(tmp_path, bpe, arch, extra, k
     tokens, merges = bpe
     path = str(tmp_path / "bad.gguf")
     write_gguf(path, random_model(tiny_config(len(tokens))), tokens, merges, arch=arch, extra_kv=extra)
-    if arch != "llama":  # the writer names the llama.* keys after the architecture
-        with pytest.raises(ValueError, match=key):
-            M.from_gguf(path)
-        return
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(key)):
         M.from_gguf(path)
 
 
