@@ -12,22 +12,27 @@ where every head is BLOCK_SPARSE at ~90 % block sparsity. Side by side, in one p
             (the gather/scatter copies are part of its cost, as in the paper's §7 baseline)
 
 Reported per (S, f): median ms (triton.testing.do_bench), effective TFLOP/s (useful FLOPs from
-kernels.attention_flops over time), speedup over SDPA dense, the ideal speedup from FLOP counts,
+masks.attention_flops over time), speedup over SDPA dense, the ideal speedup from FLOP counts,
 and each peer's max |difference| from our output. Writes bench.json and bench_speedup.png to --out,
-and prints a compact table last.
+and prints compact tables last.
 
-    python bench.py                      # the full grid (several minutes on an H200)
+    python bench.py                      # the forward grid (several minutes on an H200)
     python bench.py --quick              # S = 8K, 32K; f = 0, 0.5, 1
-    python bench.py --tune               # also time a few tile configs of our kernel at one S
+    python bench.py --backward           # also forward+backward against Flex, split and SDPA
+    python bench.py --train              # router-training step: backend "torch" vs "triton"
+    python bench.py --old kernels_old    # also time another kernels module's forward (before/after)
     python bench.py --decode             # decode: compact per-head KV cache vs full-cache peers
-Without CUDA it runs a tiny smoke test on the CPU (Triton interpreter, eager Flex, wall clock).
+Without CUDA it runs a tiny smoke test on the CPU (Triton interpreter, eager Flex, wall clock):
+it checks that every path runs, and its times say nothing about speed.
 """
 import argparse
+import importlib
 import json
 import math
 import os
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -43,31 +48,49 @@ import xattention  # noqa: E402
 from masks import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+CPU_MAX_SEQ_LEN = 4096  # the CPU smoke test's eager Flex and naive peers hold Hq·S² floats
 
 # ----------------------------------------------------------------------------------------------
 # Arguments
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--seq-lens", type=str, default="8192,32768,65536,131072" if CUDA else "256")
+parser.add_argument("--seq-lens", type=str, default="8192,32768,65536,131072" if CUDA else "256",
+                    help="comma-separated sequence lengths S of the forward grid")
 parser.add_argument("--fracs", type=str, default="0,0.25,0.5,0.75,1", help="fractions of STREAMING KV heads")
 parser.add_argument("--quick", action="store_true", help="S = 8K, 32K and f = 0, 0.5, 1 only")
-parser.add_argument("--heads", type=int, default=32 if CUDA else 4)       # Hq (Llama-3.1-8B: 32)
-parser.add_argument("--kv-heads", type=int, default=8 if CUDA else 2)     # Hkv (Llama-3.1-8B: 8)
-parser.add_argument("--head-dim", type=int, default=128 if CUDA else 32)  # D
-parser.add_argument("--sink", type=int, default=128 if CUDA else 16)      # paper: 128 tokens
-parser.add_argument("--window", type=int, default=2048 if CUDA else 64)   # paper: 2048 tokens
+parser.add_argument("--heads", type=int, default=32 if CUDA else 4, help="query heads Hq (Llama-3.1-8B: 32)")
+parser.add_argument("--kv-heads", type=int, default=8 if CUDA else 2, help="KV heads Hkv (Llama-3.1-8B: 8)")
+parser.add_argument("--head-dim", type=int, default=128 if CUDA else 32, help="head dim D (Llama-3.1-8B: 128)")
+parser.add_argument("--sink", type=int, default=128 if CUDA else 16, help="STREAMING sink tokens (paper: 128)")
+parser.add_argument("--window", type=int, default=2048 if CUDA else 64, help="STREAMING window (paper: 2048)")
 parser.add_argument("--block-size", type=int, default=128 if CUDA else 32,
                     help="block-sparse setting's mask block (128 = FlexAttention's block too)")
 parser.add_argument("--block-sparsity", type=float, default=0.9, help="fraction of causal blocks off")
-parser.add_argument("--no-block-sparse", action="store_true")
-parser.add_argument("--no-flex", action="store_true")
-parser.add_argument("--no-split", action="store_true")
-parser.add_argument("--tune", action="store_true", help="time tile configs / launch order of our kernel")
-parser.add_argument("--tune-seq-len", type=int, default=32768 if CUDA else 256)
+parser.add_argument("--no-block-sparse", action="store_true", help="skip the all-BLOCK_SPARSE setting")
+parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (and the split baseline's Flex part)")
+parser.add_argument("--no-split", action="store_true", help="skip the split baseline")
+parser.add_argument("--old", type=str, default=None,
+                    help="module name of another kernels.py (e.g. an earlier version saved as kernels_old.py): "
+                         "its forward is timed beside ours in the same run")
+parser.add_argument("--backward", action="store_true",
+                    help="also time forward+backward (ours, Flex, split, SDPA) at --bwd-seq-lens")
+parser.add_argument("--bwd-seq-lens", type=str, default="32768" if CUDA else "256",
+                    help="sequence lengths of the forward+backward timings (a subset of --seq-lens)")
+parser.add_argument("--bwd-fracs", type=str, default=None,
+                    help="fractions f of the forward+backward timings (default: all of --fracs)")
+parser.add_argument("--train", action="store_true",
+                    help="time one router-training step (training mix, forward+backward) through backend "
+                         "'torch' and 'triton' at --train-seq-lens")
+parser.add_argument("--train-only", action="store_true", help="only the --train section")
+parser.add_argument("--train-seq-lens", type=str, default="4096,8192,16384,32768" if CUDA else "128",
+                    help="sequence lengths of the training-step section")
+parser.add_argument("--train-batch", type=int, default=1, help="samples per training step")
+parser.add_argument("--tune", action="store_true", help="time a few tile configs of our kernel at --tune-seq-len")
+parser.add_argument("--tune-seq-len", type=int, default=32768 if CUDA else 256, help="S of the --tune sweep")
 parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
 parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--out", type=str, default="runs/bench")
+parser.add_argument("--seed", type=int, default=0, help="random seed of inputs, modes and block masks")
+parser.add_argument("--out", type=str, default="runs/bench", help="folder for bench.json and bench_speedup.png")
 parser.add_argument("--replot", type=str, default=None, help="redraw PNG and table from a bench.json, run nothing")
 parser.add_argument("--xa", action="store_true", help="also time FA-XA: XAttention selection + attention")
 parser.add_argument("--xa-only", action="store_true", help="only the FA-XA section")
@@ -83,13 +106,27 @@ args = parser.parse_args()
 if args.quick:
     args.seq_lens, args.fracs = ("8192,32768" if CUDA else "256"), "0,0.5,1"
 seq_lens = [int(s) for s in args.seq_lens.split(",")]
+bwd_seq_lens = [int(s) for s in args.bwd_seq_lens.split(",")]
+train_seq_lens = [int(s) for s in args.train_seq_lens.split(",")]
 fracs = [float(f) for f in args.fracs.split(",")]
+bwd_fracs = [float(f) for f in args.bwd_fracs.split(",")] if args.bwd_fracs else fracs
 B, Hq, Hkv, D = 1, args.heads, args.kv_heads, args.head_dim
 G = Hq // Hkv
 dtype = torch.bfloat16 if CUDA else torch.float16   # the interpreter has no bf16
 device = "cuda" if CUDA else "cpu"
 FLEX_BLOCK = 128 if CUDA else 32                    # FlexAttention's (default) sparse block
+if not CUDA:
+    too_long = [S for S in seq_lens + bwd_seq_lens + train_seq_lens + [args.tune_seq_len] if S > CPU_MAX_SEQ_LEN]
+    if too_long:  # refused before anything is allocated
+        parser.error(f"no CUDA device: this is a CPU smoke test, and S = {too_long} would not fit "
+                     f"(the CPU peers hold Hq·S² floats); use S <= {CPU_MAX_SEQ_LEN}, e.g. the defaults")
+    print("No CUDA device: CPU smoke test (Triton interpreter, eager FlexAttention, wall clock). "
+          "It checks that every path runs; its times say nothing about speed.")
+    # Eager Flex on a CPU warns on every call that it is unfused: known, and the point of a smoke test.
+    warnings.filterwarnings("ignore", message=".*flex_attention.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.nn.attention.flex_attention")
 os.makedirs(args.out, exist_ok=True)
+old_kernels = importlib.import_module(args.old) if args.old else None
 
 # ----------------------------------------------------------------------------------------------
 # Timing, peers and their masks
@@ -107,7 +144,7 @@ if CUDA:
             setattr(torch._dynamo.config, name, 256)
     flex = torch.compile(flex_attention, dynamic=False)
 else:
-    def bench_ms(fn, n=3):  # smoke test only: wall clock, median of n
+    def bench_ms(fn, n=1):  # smoke test only: wall clock, median of n
         fn()
         times = []
         for _ in range(n):
@@ -159,7 +196,7 @@ def hybrid_mask_mod(modes_q, block_mask_q, sink, window, block_size):
     return mask_mod
 
 
-def flex_block_mask(S, modes, sink, window, block_mask=None, block_size=128, rows_per_chunk=2048):
+def flex_block_mask(S, modes, sink, window, block_mask=None, block_size=128, rows_per_chunk=2048, backward=False):
     """One FlexAttention BlockMask for per-head modes, built exactly and without an S×S mask per
     query head: masks.hybrid_mask is evaluated per KV head on chunks of query rows and reduced
     to 'some pair visible' / 'every pair visible' per FLEX_BLOCK² block (the same result as
@@ -190,7 +227,7 @@ def flex_block_mask(S, modes, sink, window, block_mask=None, block_size=128, row
     mask_mod = hybrid_mask_mod(modes_q, bm_q, sink, window, block_size)
     # Forward only: skip the transposed (per key block) index that only the backward pass reads.
     has_flag = "compute_q_blocks" in BlockMask.from_kv_blocks.__code__.co_varnames
-    extra = {"compute_q_blocks": False} if has_flag else {}
+    extra = {"compute_q_blocks": False} if has_flag and not backward else {}
     return BlockMask.from_kv_blocks(*to_indices(partial), *to_indices(full), BLOCK_SIZE=FLEX_BLOCK,
                                     mask_mod=mask_mod, **extra)
 
@@ -218,7 +255,14 @@ def random_block_mask(S, block_size, sparsity, gen):
 
 
 def max_diff(a, b):
+    """Max |a - b|; over every pair when given tuples (of gradients)."""
+    if isinstance(a, (tuple, list)):
+        return max(max_diff(x, y) for x, y in zip(a, b))
     return (a.float() - b.float()).abs().max().item()
+
+
+def fmt(x, spec, suffix=""):
+    return "-" if x is None else format(x, spec) + suffix
 
 
 def timed_build(fn):
@@ -243,6 +287,153 @@ def run_peer(name, fn, ref, record):
         record[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(f"  {name} failed: {record[f'{name}_error']}")
 
+def make_split(S, modes, backward=False):
+    """The split baseline as a function (q, k, v) -> o: SDPA on the FULL heads' query and KV heads,
+    Flex on the STREAMING ones, scattered into one output. None when it needs Flex and Flex is off."""
+    kv_f = (modes[0] == FULL).nonzero().flatten()                        # FULL KV heads
+    kv_s = (modes[0] == STREAMING).nonzero().flatten()
+    q_f = (kv_f[:, None] * G + torch.arange(G, device=device)).flatten()  # their query heads
+    q_s = (kv_s[:, None] * G + torch.arange(G, device=device)).flatten()
+    stream_mask = None
+    if len(kv_s):
+        if args.no_flex:
+            return None
+        stream_modes = torch.full((B, len(kv_s)), STREAMING, dtype=torch.int32, device=device)
+        stream_mask = flex_block_mask(S, stream_modes, args.sink, args.window, backward=backward)
+
+    def split(q, k, v):
+        out = torch.empty_like(q)                                        # (B, Hq, S, D)
+        if len(kv_f):
+            out[:, q_f] = sdpa_gqa(q[:, q_f], k[:, kv_f], v[:, kv_f])
+        if len(kv_s):
+            out[:, q_s] = flex(q[:, q_s], k[:, kv_s], v[:, kv_s], block_mask=stream_mask, enable_gqa=True)
+        return out
+    return split
+
+
+def backward_timings(q, k, v, modes, bm, bs, kind, rec):
+    """Forward+backward ms (one upstream gradient do, dq/dk/dv returned) of ours, Flex, the split
+    baseline and SDPA dense; each peer's gradients' max |difference| from ours."""
+    S = q.shape[2]
+    do = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def fwd_bwd(attention):
+        return lambda: torch.autograd.grad(attention(*leaves), leaves, do)
+    ours = fwd_bwd(lambda q, k, v: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs))
+    try:
+        g_ours = ours()
+        rec["ours_fb_ms"] = bench_ms(ours)
+    except Exception as e:  # noqa: BLE001 (reported, the grid goes on)
+        rec["ours_fb_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"  ours forward+backward failed: {rec['ours_fb_error']}")
+        return
+    if kind == "hybrid" and not modes.any():
+        run_peer("sdpa_fb", fwd_bwd(sdpa_gqa), g_ours, rec)
+    else:
+        rec["sdpa_fb_ms"] = bench_ms(fwd_bwd(sdpa_gqa))
+    if not CUDA and not args.no_flex:
+        print("  (FlexAttention has no backward on a CPU: Flex and split skipped in forward+backward)")
+    if CUDA and not args.no_flex:
+        block_mask = flex_block_mask(S, modes, args.sink, args.window, bm, bs, backward=True)
+        run_peer("flex_fb", fwd_bwd(lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=True)),
+                 g_ours, rec)
+        del block_mask
+    if CUDA and kind == "hybrid" and not args.no_split:
+        split = make_split(S, modes, backward=True)
+        if split is not None:
+            run_peer("split_fb", fwd_bwd(split), g_ours, rec)
+        del split
+    for peer in ("flex", "split", "sdpa"):
+        ms = rec.get(f"{peer}_fb_ms")
+        rec[f"ours_fb_vs_{peer}"] = ms / rec["ours_fb_ms"] if ms else None
+    print(f"  forward+backward S={S} {kind} f={rec['frac']}: ours {rec['ours_fb_ms']:.3f} ms, "
+          f"flex {fmt(rec.get('flex_fb_ms'), '.3f')}, split {fmt(rec.get('split_fb_ms'), '.3f')}, "
+          f"sdpa {fmt(rec.get('sdpa_fb_ms'), '.3f')}", flush=True)
+
+# ----------------------------------------------------------------------------------------------
+# Router training: one step of the training mix, backend "torch" (today's path) vs "triton"
+
+# The experiment's model (elastic_attention.Config.preset("gpu")): width 128, 4 layers, 8 query
+# heads, 4 KV heads, head dim 16, sink 32, window 512. Sink and window stay fixed at every S.
+TRAIN_SHAPE = dict(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=16, sink=32, window=512)
+
+
+def train_section(gen):
+    """One router-training step as a kernel-level mock of the model: per layer, q/k/v projections,
+    the training mix O = z·O_full + (1 − z)·O_sparse (METHOD.md §5) with O_full (all heads FULL)
+    and O_sparse (all heads STREAMING) from two hybrid_attention calls, an output projection and a
+    residual; then backward, with the projections and the gate logits requiring grad (so q, k, v
+    do). float32 with TF32 matmuls, as train_router.py runs the model. Reports the median step
+    time, the peak GPU memory of a step and the max relative difference of the gradients."""
+    C, L, Hq_t, Hkv_t, D_t, sink, window = (TRAIN_SHAPE[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+                                                                      "head_dim", "sink", "window"))
+    Bt, Gt = args.train_batch, Hq_t // Hkv_t
+    if CUDA:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    rows = []
+    for S in train_seq_lens:
+        g = torch.Generator().manual_seed(args.seed)
+        x = torch.randn(Bt, S, C, generator=g).to(device)
+        w_qkv = [(torch.randn(C, (Hq_t + 2 * Hkv_t) * D_t, generator=g) / C ** 0.5).to(device).requires_grad_()
+                 for _ in range(L)]
+        w_o = [(torch.randn(Hq_t * D_t, C, generator=g) / (Hq_t * D_t) ** 0.5).to(device).requires_grad_()
+               for _ in range(L)]
+        gate_logits = torch.zeros(L, Hkv_t, device=device, requires_grad=True)
+        params = w_qkv + w_o + [gate_logits]
+        full = torch.full((Bt, Hkv_t), FULL, dtype=torch.int32, device=device)
+        stream = torch.full((Bt, Hkv_t), STREAMING, dtype=torch.int32, device=device)
+
+        def step(backend):
+            for p in params:
+                p.grad = None
+            h = x
+            for layer in range(L):
+                q, k, v = (h @ w_qkv[layer]).split([Hq_t * D_t, Hkv_t * D_t, Hkv_t * D_t], -1)
+                q = q.view(Bt, S, Hq_t, D_t).transpose(1, 2)                      # (B, Hq, S, D)
+                k = k.view(Bt, S, Hkv_t, D_t).transpose(1, 2)                     # (B, Hkv, S, D)
+                v = v.view(Bt, S, Hkv_t, D_t).transpose(1, 2)
+                o_full = kernels.hybrid_attention(q, k, v, full, sink, window, backend=backend)
+                o_sparse = kernels.hybrid_attention(q, k, v, stream, sink, window, backend=backend)
+                z = torch.sigmoid(gate_logits[layer]).repeat_interleave(Gt).view(1, Hq_t, 1, 1)
+                o = z * o_full + (1 - z) * o_sparse                               # (B, Hq, S, D)
+                h = h + o.transpose(1, 2).reshape(Bt, S, Hq_t * D_t) @ w_o[layer]
+            h.square().mean().backward()
+            return [p.grad.clone() for p in (w_qkv[0], gate_logits)]
+
+        grads = {}
+        for backend in ("torch", "triton"):
+            rec = dict(S=S, backend=backend, batch=Bt)
+            try:
+                grads[backend] = step(backend)                                    # warm-up (compiles)
+                if CUDA:  # on a CPU the one step above is the smoke test
+                    sync()
+                    torch.cuda.reset_peak_memory_stats()
+                    times = []
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        step(backend)
+                        sync()
+                        times.append((time.perf_counter() - t0) * 1e3)
+                    rec["step_ms"] = statistics.median(times)
+                    rec["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            except Exception as e:  # noqa: BLE001 (out of memory is a result here)
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                grads.pop(backend, None)
+                if CUDA:
+                    torch.cuda.empty_cache()
+            if backend == "triton" and len(grads) == 2:
+                rec["grad_rel_diff"] = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+                                           for a, b in zip(grads["triton"], grads["torch"]))
+            rows.append(rec)
+            print(f"  train S={S} {backend}: " + (rec["error"] if "error" in rec else
+                                                 f"{rec['step_ms']:.1f} ms, peak {rec['peak_gb']:.2f} GB" if CUDA
+                                                 else "ran"), flush=True)
+        del x, w_qkv, w_o, gate_logits, params, grads
+        if CUDA:
+            torch.cuda.empty_cache()
+    return rows
+
 # ----------------------------------------------------------------------------------------------
 # Tile-config sweep of our kernel (--tune): one S, all-FULL and f = 0.75
 
@@ -257,23 +448,21 @@ def tune(S, perm):
     rows = []
     for frac in (0.0, 0.75):
         modes = modes_for(frac, perm)
-        flops = kernels.attention_flops(S, modes, args.sink, args.window, head_dim=D, group=G)
+        flops = masks.attention_flops(S, modes, args.sink, args.window, head_dim=D, group=G)
         ref = kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window)
         for cfg in configs:
-            for heavy_first in ((True, False) if cfg is None else (True,)):
-                rec = dict(S=S, frac=frac, config=cfg, heavy_first=heavy_first)
-                try:
-                    fn = lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window,  # noqa: E731
-                                                          config=cfg, heavy_first=heavy_first)
-                    rec["diff"] = max_diff(fn(), ref)
-                    rec["ms"] = bench_ms(fn)
-                    rec["tflops"] = flops / rec["ms"] / 1e9
-                except Exception as e:  # noqa: BLE001 (a config that does not fit is reported)
-                    rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(rec)
-                print(f"  tune S={S} f={frac} config={cfg} heavy_first={heavy_first}: "
-                      + (f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s diff {rec['diff']:.1e}" if "ms" in rec
-                         else rec["error"]))
+            rec = dict(S=S, frac=frac, config=cfg)
+            try:
+                fn = lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, config=cfg)  # noqa: E731
+                rec["diff"] = max_diff(fn(), ref)
+                rec["ms"] = bench_ms(fn)
+                rec["tflops"] = flops / rec["ms"] / 1e9
+            except Exception as e:  # noqa: BLE001 (a config that does not fit is reported)
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(rec)
+            print(f"  tune S={S} f={frac} config={cfg}: "
+                  + (f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s diff {rec['diff']:.1e}" if "ms" in rec
+                     else rec["error"]))
     return rows
 
 # ----------------------------------------------------------------------------------------------
@@ -287,19 +476,25 @@ def main():
                device=torch.cuda.get_device_name() if CUDA else "cpu (interpreter smoke test)",
                sdpa_enable_gqa=SDPA_GQA)
     print(env)
-    results = dict(env=env, args=vars(args), runs=[], tune=[], ours_config=None, ours_heavy_first=True)
-    if args.tune:  # the grid below then runs the fastest all-FULL config and the faster launch order
+    results = dict(env=env, args=vars(args), runs=[], tune=[], ours_config=None, train=[])
+    if args.tune:  # the grid below then runs the fastest all-FULL config
         results["tune"] = tune(args.tune_seq_len, perm)
-        ok = [r for r in results["tune"] if "ms" in r]
-        full = [r for r in ok if r["frac"] == 0.0 and r["heavy_first"]]
+        full = [r for r in results["tune"] if "ms" in r and r["frac"] == 0.0]
         if full:
             results["ours_config"] = min(full, key=lambda r: r["ms"])["config"]
-        order = {r["heavy_first"]: r["ms"] for r in ok if r["frac"] == 0.75 and r["config"] is None}
-        if len(order) == 2:
-            results["ours_heavy_first"] = order[True] <= order[False]
-        print(f"grid runs config={results['ours_config']} heavy_first={results['ours_heavy_first']}")
-    cfg, heavy_first = results["ours_config"], results["ours_heavy_first"]
+        print(f"grid runs config={results['ours_config']}")
+    cfg = results["ours_config"]
 
+    def save():  # after every section and every S: partial runs survive
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+    if args.train or args.train_only:
+        results["train"] = train_section(gen)
+        save()
+        if args.train_only:
+            print_train_table(results["train"])
+            return
     if args.xa_only:
         results["xa"] = xa_section(perm, gen, {})
         with open(os.path.join(args.out, "bench.json"), "w") as f:
@@ -311,7 +506,7 @@ def main():
         k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)   # (B, Hkv, S, D)
         v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
         all_full = torch.full((B, Hkv), FULL, dtype=torch.int32, device=device)
-        flops_full = kernels.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
+        flops_full = masks.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
         o_sdpa = sdpa_gqa(q, k, v)
         sdpa_ms = bench_ms(lambda: sdpa_gqa(q, k, v))
         ours_full_ms = None
@@ -326,15 +521,19 @@ def main():
                 modes = torch.full((B, Hkv), BLOCK_SPARSE, dtype=torch.int32, device=device)
                 bs = args.block_size
                 bm = random_block_mask(S, bs, args.block_sparsity, gen)
-            flops = kernels.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
+            flops = masks.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
             rec = dict(S=S, kind=kind, frac=frac, flops=flops, ideal_speedup=flops_full / flops,
                        omega_esr=float(masks.omega_esr_closed_form(S, modes, args.sink, args.window, bm, bs)[0]),
                        sdpa_ms=sdpa_ms)
 
             ours = lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs,  # noqa: E731
-                                                    config=cfg, heavy_first=heavy_first)
+                                                          config=cfg)
             o_ours = ours()
             rec["ours_ms"] = bench_ms(ours)
+            if old_kernels is not None:  # the other kernels module, timed right after ours
+                run_peer("old", lambda: old_kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window,
+                                                                           bm, bs), o_ours, rec)
+                rec["ours_vs_old"] = rec["old_ms"] / rec["ours_ms"] if rec.get("old_ms") else None
             if kind == "hybrid" and frac == 0:
                 ours_full_ms = rec["ours_ms"]
                 rec["sdpa_diff"] = max_diff(o_sdpa, o_ours)
@@ -350,27 +549,13 @@ def main():
                     print(f"  flex failed: {rec['flex_error']}")
 
             if kind == "hybrid" and not args.no_split:
-                kv_f = (modes[0] == FULL).nonzero().flatten()                        # FULL KV heads
-                kv_s = (modes[0] == STREAMING).nonzero().flatten()
-                q_f = (kv_f[:, None] * G + torch.arange(G, device=device)).flatten()  # their query heads
-                q_s = (kv_s[:, None] * G + torch.arange(G, device=device)).flatten()
-                stream_mask = None
-                if len(kv_s) and not args.no_flex:
-                    stream_modes = torch.full((B, len(kv_s)), STREAMING, dtype=torch.int32, device=device)
-                    stream_mask, rec["split_build_ms"] = timed_build(
-                        lambda: flex_block_mask(S, stream_modes, args.sink, args.window))
+                split, rec["split_build_ms"] = timed_build(lambda: make_split(S, modes))
+                if split is not None:
+                    run_peer("split", lambda: split(q, k, v), o_ours, rec)
+                del split
 
-                def split():
-                    out = torch.empty_like(q)                                        # (B, Hq, S, D)
-                    if len(kv_f):
-                        out[:, q_f] = sdpa_gqa(q[:, q_f], k[:, kv_f], v[:, kv_f])
-                    if len(kv_s):
-                        out[:, q_s] = flex(q[:, q_s], k[:, kv_s], v[:, kv_s], block_mask=stream_mask,
-                                           enable_gqa=True)
-                    return out
-                if len(kv_s) == 0 or stream_mask is not None:
-                    run_peer("split", split, o_ours, rec)
-                del stream_mask
+            if args.backward and S in bwd_seq_lens and (kind != "hybrid" or frac in bwd_fracs):
+                backward_timings(q, k, v, modes, bm, bs, kind, rec)
 
             for peer in ("ours", "flex", "split"):
                 ms = rec.get(f"{peer}_ms")
@@ -383,22 +568,26 @@ def main():
                 rec["ours_speedup_vs_own_full"] = ours_full_ms / rec["ours_ms"]
                 rec["fraction_of_ideal"] = rec["ours_speedup_vs_own_full"] / rec["ideal_speedup"]
             results["runs"].append(rec)
-            print(f"S={S} {kind} f={frac}: ours {rec['ours_ms']:.3f} ms, flex {rec.get('flex_ms')}, "
-                  f"split {rec.get('split_ms')}, sdpa {sdpa_ms:.3f}", flush=True)
+            print(f"S={S} {kind} f={frac}: ours {rec['ours_ms']:.3f} ms, old {fmt(rec.get('old_ms'), '.3f')}, "
+                  f"flex {fmt(rec.get('flex_ms'), '.3f')}, split {fmt(rec.get('split_ms'), '.3f')}, "
+                  f"sdpa {sdpa_ms:.3f}", flush=True)
             del o_ours
         del q, k, v, o_sdpa
         if CUDA:
             torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "bench.json"), "w") as f:  # after every S: partial runs survive
-            json.dump(results, f, indent=1)
+        save()
 
     if args.xa:
         sdpa_by_S = {r["S"]: r["sdpa_ms"] for r in results["runs"]}
         results["xa"] = xa_section(perm, gen, sdpa_by_S)
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    plot(results["runs"])
+        save()
+    if CUDA:
+        plot(results["runs"])
     print_table(results["runs"])
+    if args.backward:
+        print_backward_table(results["runs"])
+    if results["train"]:
+        print_train_table(results["train"])
     if args.xa:
         print_xa_table(results["xa"])
 
@@ -439,7 +628,7 @@ def xa_section(perm, gen, sdpa_by_S):
         causal_blocks = nB * (nB + 1) / 2
         all_full = torch.full((B, Hkv), FULL, dtype=torch.int32, device=device)
         full_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, all_full, args.sink, args.window))
-        flops_full = kernels.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
+        flops_full = masks.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
         for frac in fracs:
             if frac == 0:
                 continue
@@ -449,7 +638,7 @@ def xa_section(perm, gen, sdpa_by_S):
             xassa = torch.where(ssa_modes == FULL, BLOCK_SPARSE, ssa_modes).to(torch.int32)  # XA-SSA
             xassa_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, xassa, args.sink, args.window, bm, bs))
             attn_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs))
-            flops = kernels.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
+            flops = masks.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
             xa_heads = modes[0] == BLOCK_SPARSE
             density = float(bm[0, xa_heads].sum()) / (int(xa_heads.sum()) * causal_blocks)
             ideal = flops_full / flops
@@ -501,6 +690,40 @@ def plot(runs):
     fig.savefig(os.path.join(args.out, "bench_speedup.png"), dpi=110)
 
 
+def print_backward_table(runs):
+    rows = [r for r in runs if r.get("ours_fb_ms")]
+    if not CUDA:
+        print("\nforward+backward, CPU smoke test: max |gradient difference| from ours")
+        for r in rows:
+            setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+            print(f"{r['S']:>7}  {setting:>7}  flex {fmt(r.get('flex_fb_diff'), '.1e')}  "
+                  f"split {fmt(r.get('split_fb_diff'), '.1e')}  sdpa {fmt(r.get('sdpa_fb_diff'), '.1e')}")
+        return
+    print("\nforward+backward (ms; ratios > 1: ours faster)")
+    print("      S  setting  ours fwd  ours f+b  flex f+b  split f+b  sdpa f+b  vs flex  vs split  vs sdpa  "
+          "grad diff flex/split")
+    for r in rows:
+        setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+        print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:8.2f}  {r['ours_fb_ms']:8.2f}  "
+              f"{fmt(r.get('flex_fb_ms'), '8.2f'):>8}  {fmt(r.get('split_fb_ms'), '9.2f'):>9}  "
+              f"{fmt(r.get('sdpa_fb_ms'), '8.2f'):>8}  {fmt(r.get('ours_fb_vs_flex'), '6.2f', 'x'):>7}  "
+              f"{fmt(r.get('ours_fb_vs_split'), '7.2f', 'x'):>8}  {fmt(r.get('ours_fb_vs_sdpa'), '6.2f', 'x'):>7}  "
+              f"{fmt(r.get('flex_fb_diff'), '.1e')}/{fmt(r.get('split_fb_diff'), '.1e')}")
+
+
+def print_train_table(rows):
+    s = TRAIN_SHAPE
+    print(f"\nrouter-training step (training mix fwd+bwd; {s['n_layers']} layers, Hq {s['n_heads']}, "
+          f"Hkv {s['n_kv_heads']}, D {s['head_dim']}, sink {s['sink']}, window {s['window']}, "
+          f"batch {args.train_batch}, fp32/TF32)")
+    if not CUDA:
+        print("CPU smoke test: both backends ran; times and memory are not measured here")
+    print("      S  backend   step ms  peak GB  grad rel diff")
+    for r in rows:
+        print(f"{r['S']:>7}  {r['backend']:>7}  {fmt(r.get('step_ms'), '8.1f'):>8}  {fmt(r.get('peak_gb'), '7.2f'):>7}  "
+              f"{fmt(r.get('grad_rel_diff'), '.1e'):>13}" + (f"  {r['error']}" if "error" in r else ""))
+
+
 def print_xa_table(rows):
     print("\n      S     f  score ms  pick ms  select/SDPA  FA-XA ms  FA-SSA ms  XA-SSA ms  all-FULL ms  SDPA ms  "
           "density  of ideal")
@@ -511,8 +734,20 @@ def print_xa_table(rows):
 
 
 def print_table(runs):
-    def fmt(x, spec, suffix=""):
-        return "-" if x is None else format(x, spec) + suffix
+    if not CUDA:  # smoke test: times of an interpreter say nothing about speed, ratios even less
+        print("\nCPU smoke test (not a speed measurement): every path ran; max |difference| from ours")
+        print("      S  setting  flex diff  split diff  old diff")
+        for r in runs:
+            setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+            print(f"{r['S']:>7}  {setting:>7}  {fmt(r.get('flex_diff'), '9.1e'):>9}  "
+                  f"{fmt(r.get('split_diff'), '10.1e'):>10}  {fmt(r.get('old_diff'), '8.1e'):>8}")
+        return
+    if any(r.get("old_ms") for r in runs):
+        print("\n      S  setting  ours ms  old ms  old/ours")
+        for r in runs:
+            setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+            print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:7.2f}  {fmt(r.get('old_ms'), '6.2f'):>6}  "
+                  f"{fmt(r.get('ours_vs_old'), '7.3f', 'x'):>8}")
     print("\n      S  setting  ours ms  TF/s  flex ms  split ms  sdpa ms  vs flex  vs split  vs sdpa  "
           "ideal  of ideal  diff flex/split")
     for r in runs:
