@@ -38,7 +38,8 @@ Tasks (each a ChatML user turn: instruction, document, question; the assistant a
     fact_word    sensitive  one fact, "<name>'s secret word is <word>", at a random depth
     recent_fact  robust     a note with a 4-digit room number within the last ~200 tokens
     continue     robust     the assistant continues the document; mean NLL of 64 tokens
-The accuracy tasks teacher-force a fixed answer sentence and score exact match on its value tokens.
+The accuracy tasks teacher-force a fixed answer sentence and score exact match on its value tokens
+and the one token before them (where a greedy answer commits to the value or drifts off).
 
 Batch (make_batch), like tasks.py's with padding and an explicit prompt boundary:
     tokens (B, S), targets (B, S) (-100 except scored positions: targets[t] = tokens[t + 1]),
@@ -454,8 +455,8 @@ class _Corpus:
 # -----------------------------------------------------------------------------
 # Tasks. Each is one user turn — instruction, document, question — and the assistant's answer.
 # Wording is what a user would write; the task is never named. Accuracy tasks teacher-force the
-# answer sentence and score its value tokens (the digits / the word), all of which must be the
-# argmax; "continue" scores the NLL of the document's next CONTINUE_TOKENS tokens.
+# answer sentence and score its value tokens (the digits / the word) and the token before them, all
+# of which must be the argmax; "continue" scores the NLL of the next CONTINUE_TOKENS tokens.
 
 IGNORE = -100          # torch.nn.functional.cross_entropy's default ignore_index
 MAX_NEEDLES = 48       # needle-token slots per row (a needle sentence is 10–30 tokens)
@@ -477,7 +478,7 @@ def _passkey(rng):
     return dict(instruction="There is a pass key hidden inside the following text. Find it and remember it: "
                             "I will ask you for it at the end.",
                 needle=f"The pass key is {key}. Remember it. {key} is the pass key.",
-                question="What is the pass key?", answer=f"The pass key is {key}.", value=key)
+                question="What is the pass key number?", answer=f"The pass key is {key}.", value=key)
 
 
 def _fact_word(rng):
@@ -557,6 +558,9 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
         answer, offsets = tokenizer.encode_offsets(spec["answer"])
         a = spec["answer"].rindex(spec["value"])
         scored = [i for i, (s, e) in enumerate(offsets) if s < a + len(spec["value"]) and e > a]
+        # and the token before the value (" " before digits, ' "' before a word): where the model
+        # commits to answering with it rather than drifting off ("The pass key is a function ...")
+        scored = [scored[0] - 1] * (scored[0] > 0) + scored
         answer = answer + [tokenizer.eos_id]
         answer_len = len(answer)
     fixed = "\n\n".join(x for x in (spec["instruction"], spec["needle"], spec["question"]) if x)
