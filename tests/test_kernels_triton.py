@@ -243,7 +243,7 @@ def assert_grads_close_to_reference(q, k, v, modes, sink, window, block_mask, bl
                               f"block_size={block_size} dtype={q.dtype}")
 
 
-@settings(SETTINGS, max_examples=20 if CUDA else 15)
+@settings(SETTINGS, max_examples=20 if CUDA else 10)  # a backward case costs ~3 forward cases on CPU
 @given(case=hybrid_cases())
 def test_gradients_match_reference_drawn(case):
     """Odd S, S below one tile, window >= S, sink 0, empty block rows, GQA 1–4, modes mixed per
@@ -255,11 +255,11 @@ def test_gradients_match_reference_drawn(case):
     assert_grads_close_to_reference(q, k, v, modes, sink, window, bm, block_size, seed)
 
 
-@pytest.mark.parametrize("G", [1, 8])
-def test_gradients_gqa_and_every_mode_in_one_launch(G):
+@pytest.mark.parametrize("G, S", [(1, 75), (8, 37)])
+def test_gradients_gqa_and_every_mode_in_one_launch(G, S):
     """dk/dv sum over the G query heads of a KV head; sample 0 all FULL, sample 1 mixed."""
     modes = torch.tensor([[FULL, FULL, FULL], [STREAMING, BLOCK_SPARSE, FULL]])
-    q, k, v, modes, bm = make_case(2, 3, G, 75, 16, torch.float32, seed=20 + G, block_size=16, modes=modes)
+    q, k, v, modes, bm = make_case(2, 3, G, S, 16, torch.float32, seed=20 + G, block_size=16, modes=modes)
     assert_grads_close_to_reference(q, k, v, modes, 5, 21, bm, 16, seed=G)
 
 
