@@ -114,6 +114,7 @@ g.add_argument("--device", help="cpu, cuda or cuda:N (tiny: cpu; gpu, smollm2: c
 g.add_argument("--backend", choices=list(elastic_attention.BACKENDS),
                help="attention code: auto, torch, triton (CPU: set TRITON_INTERPRET=1), reference")
 g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
+g.add_argument("--curve-points", type=int, help="points of the progressive-sparsification curve (default 11)")
 g.add_argument("--seq-len", type=int, help="training (and first evaluation) length in tokens (tiny 256, gpu 4096, "
                                            "smollm2 4096; smollm2 also evaluates at twice it)")
 args = parser.parse_args()
@@ -153,11 +154,13 @@ if args.smoke and args.preset != "tiny":
     fail("--smoke is a cut-down tiny preset; drop --preset or --smoke")
 P = dict(PRESETS[args.preset], **(SMOKE if args.smoke else {}))
 for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "lambda_lr",
-            "seq_len"):
+            "seq_len", "curve_points"):
     if getattr(args, key) is not None:
         P[key] = getattr(args, key)
 if args.seq_len is not None and "eval_seq_lens" in P:
     P["eval_seq_lens"] = (args.seq_len, 2 * args.seq_len)
+if P["curve_points"] < 2:
+    fail(f"--curve-points must be >= 2 (dense and all-sparse at least), got {P['curve_points']}")
 for key in ("steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len"):
     if getattr(args, key) is not None and getattr(args, key) < 1:
         fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
@@ -286,7 +289,7 @@ def batch(split, index, size, names=None, seq_len=S):
         window, sink, margin = task_geometry(seq_len)
         b = tasks.make_batch(names, size, seq_len, window, sink, seed=seed, margin=margin)
     else:
-        b = suite.make_batch(tokenizer, names, size, seq_len, seed, split=split, window=cfg.window)
+        b = suite.make_batch(tokenizer, names, size, seq_len, seed, split=split, window=cfg.window, sink=cfg.sink)
     b["prompt_len"] = b["query_pos"] + 1       # what the router may read: the prompt, never the answer
     return {k: v.to(device) for k, v in b.items()}
 
@@ -540,15 +543,17 @@ def modes_from(sparse):
     return modes.view(cfg.n_layers, cfg.n_kv_heads)
 
 
-# Retrieval score of every head (paper App. C): backbone attention mass from the query position
-# onto the evidence tokens, averaged over the held-out prompts of the sensitive tasks.
+# Retrieval score of every head (paper App. C): backbone attention mass from the row that predicts
+# the first answer token onto the evidence tokens, averaged over held-out inputs of sensitive tasks.
 model.eval()
 with torch.no_grad():
     scores = []
     for name in (t.name for t in TASKS if t.category == "sensitive"):
         for i in range(n_batches):
             b = batch("eval", 1000 * suite.get_task(name).task_id + i, min(P["eval_batch"], P["eval_per_task"]), [name])
-            scores.append(tasks.retrieval_scores(attention_rows(b["tokens"], b["query_pos"]), b["needle_pos"],
+            # The row that predicts the first answer token: where a retrieval head reads the needle.
+            first_answer = (b["targets"] != -100).int().argmax(1)                     # (B,)
+            scores.append(tasks.retrieval_scores(attention_rows(b["tokens"], first_answer), b["needle_pos"],
                                                  cfg.n_kv_heads))
     retrieval = torch.stack(scores).mean(0)                           # (L, Hkv)
 order = retrieval.flatten().argsort()                                 # least retrieval-like first
