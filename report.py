@@ -16,8 +16,8 @@ import statistics
 
 import torch
 
-METHODS = [("dense", "dense"), ("elastic", "Elastic"), ("static", "static (score)"),
-           ("static_trained", "static (trained)"), ("all_sparse", "all sparse")]
+METHODS = [("dense", "dense"), ("elastic", "Elastic"), ("static", "static score"),
+           ("static_trained", "static trained"), ("all_sparse", "all sparse")]
 
 
 def hardware(device):
@@ -49,7 +49,7 @@ def table(runs):
     """The results table (≤ 100 columns) of one run or of several seeds of one setting."""
     first = runs[0]
     tasks, metrics = list(first["tasks"]), first["metrics"]
-    width = 15 if len(runs) > 1 else 13
+    width = 16 if len(runs) > 1 else 13
     lines = []
     seeds = ", ".join(str(r["seed"]) for r in runs)
     title = f"{'smoke' if first.get('smoke') else first['preset']} {first['settings']['config']['head_config']}"
@@ -60,16 +60,17 @@ def table(runs):
     lines.append(f"accuracy %{' (* NLL, nats)' if nll else ''}{' mean±sd' if len(runs) > 1 else ''} with (Ω_MSR) "
                  "per task; Ω_ESR (all layers) last")
     heads = [(t + ("*" if metrics[t] == "nll" else ""))[:width - 1] for t in tasks]
-    lines.append(f"{'method':<17}" + "".join(f"{h:<{width}}" for h in heads) + "Ω_ESR")
+    lines.append(f"{'method':<15}" + "".join(f"{h:<{width}}" for h in heads) + "Ω_ESR")
     keys = [k for k in first["results"] if k.split("@")[0] in dict(METHODS)]
     order = {m: i for i, (m, _) in enumerate(METHODS)}
     keys.sort(key=lambda k: (len(k.split("@")), k.split("@")[-1] if "@" in k else "", order[k.split("@")[0]]))
     for key in keys:
-        name = dict(METHODS)[key.split("@")[0]] + (f" @{int(key.split('@')[1]) // 1024}K" if "@" in key else "")
-        cells = "".join(f"{_fmt(metrics[t], [r['results'][key][t]['score'] for r in runs], [r['results'][key][t]['omega_msr'] for r in runs]):<{width}}"
+        if "@" in key and key.startswith("dense@"):   # a longer evaluation length: its own block
+            lines.append(f"evaluated at {key.split('@')[1]} tokens:")
+        cells = "".join(f"{_fmt(metrics[t], [r['results'][key][t]['score'] for r in runs], [r['results'][key][t]['omega_msr'] for r in runs]):<{width - 1}} "
                         for t in tasks)
         esr = statistics.mean(statistics.mean(v["omega_esr"] for v in r["results"][key].values()) for r in runs)
-        lines.append(f"{name:<17}{cells}{esr:.2f}")
+        lines.append(f"{dict(METHODS)[key.split('@')[0]]:<15}{cells}{esr:.2f}")
     return "\n".join(lines)
 
 

@@ -51,7 +51,7 @@ def test_pipeline_writes_sane_outputs(quick_run):
     assert len(curve) == 11 and len(res["train_log"]) == 3 and len(res["static_log"]) == 3
     assert len(res["retrieval_scores"]) == res["settings"]["config"]["n_layers"]
     assert res["hardware"]["torch"] == torch.__version__ and res["wall_time_s"] > 0
-    for label in ("Elastic", "static (score)", "static (trained)", "all sparse"):
+    for label in ("Elastic", "static score", "static trained", "all sparse"):
         assert label in proc.stdout
     table = proc.stdout[proc.stdout.index("results:"):proc.stdout.index("outputs in")].splitlines()
     assert max(len(line) for line in table) <= 100, "the table must fit 100 columns"
