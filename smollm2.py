@@ -477,8 +477,8 @@ def _passkey(rng):
     key = str(rng.randrange(10000, 100000))
     return dict(instruction="There is a pass key hidden inside the following text. Find it and remember it: "
                             "I will ask you for it at the end.",
-                needle=f"The pass key is {key}. Remember it. {key} is the pass key.",
-                question="What is the pass key number?", answer=f"The pass key is {key}.", value=key)
+                needle=f"The pass key number is {key}. Remember it. {key} is the pass key number.",
+                question="What is the pass key number?", answer=f"The pass key number is {key}.", value=key)
 
 
 def _fact_word(rng):
