@@ -305,7 +305,7 @@ if _HAS_TRITON:
 def _decode_config(interpret):
     """(BLOCK_N, num_warps, num_stages, min keys per split). GPU: 128-key tiles (32 KB of K and of V
     at D = 128, bf16) with 3 stages of prefetch, the fastest of six configs on an H200 (bench.py
-    --decode --decode-tune; NOTES_decode.md); a split is at least 256 keys, so its partial output
+    --decode --decode-tune; RESULTS.md); a split is at least 256 keys, so its partial output
     (G·D fp32, written and read again) is a few percent of the K/V it reads. Interpreter: small tiles
     and splits, so that short test caches still cross several tiles and splits."""
     if interpret:

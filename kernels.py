@@ -80,7 +80,7 @@ def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
     """Forward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), fixed (no autotuning):
       - GPU, D <= 128, 16-bit: 128×64 tiles in 8 warps, i.e. two warpgroups of 64 query rows for
         Hopper's wgmma, with 4 stages of K/V prefetch (~160 KB of shared memory at D = 128).
-        Larger or smaller tiles and 3 stages were no faster (NOTES_kernels.md).
+        Larger or smaller tiles and 3 stages were no faster (RESULTS.md).
       - D > 128 or fp32: the fp32 accumulator (BLOCK_M × D) and the K/V tiles double, so halve the tiles.
       - Interpreter: small tiles, so that short test sequences still cross several tiles and every
         edge case (partial sink / window / diagonal tiles) is exercised.

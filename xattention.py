@@ -250,7 +250,7 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
     g = block_size // stride            # a power of two: stride divides the power-of-two block_size
     if BLOCK_N is None:
         # key groups per score tile: >= 16 for tl.dot, and whole blocks; wide tiles reuse each Q load
-        # more (128 with 8 warps was the fastest on an H200, NOTES_kernels.md).
+        # more (128 with 8 warps was the fastest on an H200, RESULTS.md).
         BLOCK_N = max(128, g)
     if isinstance(BLOCK_N, bool) or not isinstance(BLOCK_N, int) or BLOCK_N < max(16, g) \
             or BLOCK_N & (BLOCK_N - 1):

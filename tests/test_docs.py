@@ -79,3 +79,14 @@ def test_no_references_to_documents_the_repository_does_not_ship():
                 if pattern.search(line):
                     found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()[:80]}")
     assert not found, found
+
+
+def test_cited_documents_exist():
+    """Every document the code and the docs cite by name (METHOD.md, RESULTS.md, ...) is shipped."""
+    missing = []
+    for path in source_files():
+        with open(path, encoding="utf-8") as f:
+            for name in set(re.findall(r"\b[A-Z][A-Z_]*\.md\b", f.read())):
+                if not os.path.exists(os.path.join(ROOT, name)):
+                    missing.append(f"{os.path.relpath(path, ROOT)}: {name}")
+    assert not missing, missing
