@@ -63,7 +63,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import elastic_attention as E
+import elastic_attention
 import masks
 
 # -----------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def config_from_gguf(reader, **overrides):
         # Sparse heads and router for 2K–8K-token prompts (see the module docstring).
         sink=64, window=256, block_size=64, xa_stride=16, pool_tokens=64)
     cfg.update(overrides)
-    return E.Config(**cfg)
+    return elastic_attention.Config(**cfg)
 
 
 def unpermute_qk(w, n_heads):
@@ -256,7 +256,7 @@ def from_gguf(path, **config_overrides):
     gguf = _import_gguf()
     reader = gguf.GGUFReader(path)
     cfg = config_from_gguf(reader, **config_overrides)
-    model = E.load_hf_state_dict(E.Transformer(cfg), state_dict_from_gguf(reader, cfg)).eval()
+    model = elastic_attention.load_hf_state_dict(elastic_attention.Transformer(cfg), state_dict_from_gguf(reader, cfg)).eval()
     return model, Tokenizer.from_gguf_reader(reader)
 
 # -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ Stages, one after the other:
 Afterwards, route your own input with the trained routers:
     import elastic_attention, torch
     model, _ = elastic_attention.load_checkpoint("runs/tiny-FA-SSA-seed0/model.pt")
-    logits, info = model.eval()(idx)               # idx (B, S) token ids
+    logits, info = model.eval()(idx)               # idx (B, S): prompts (else pass prompt_lengths=)
     print(torch.stack(info["modes"])[:, 0])        # (L, Hkv) modes of sample 0: 0 FULL, 1 STREAMING
     print(info["omega_msr"], info["omega_esr"])
 

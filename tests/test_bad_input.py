@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 
-import elastic_attention as E
-
+import elastic_attention
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,16 +18,16 @@ def tiny(**overrides):
     base = dict(vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
                 sink=2, window=5, block_size=4, xa_stride=2, pool_tokens=4)
     base.update(overrides)
-    return E.Config(**base)
+    return elastic_attention.Config(**base)
 
 
 def saved(tmp_path, cfg, routers=False, name="m.pt"):
     torch.manual_seed(0)
-    model = E.Transformer(cfg)
+    model = elastic_attention.Transformer(cfg)
     if routers:
         model.attach_routers()
     path = str(tmp_path / name)
-    E.save_checkpoint(path, model, step=3)
+    elastic_attention.save_checkpoint(path, model, step=3)
     return path, model
 
 # -----------------------------------------------------------------------------
@@ -43,7 +42,7 @@ def saved(tmp_path, cfg, routers=False, name="m.pt"):
 def test_fields_that_change_the_weights_meaning_must_match(tmp_path, field, wanted):
     path, _ = saved(tmp_path, tiny())
     with pytest.raises(ValueError, match="different config") as err:
-        E.load_checkpoint(path, tiny(**{field: wanted}))
+        elastic_attention.load_checkpoint(path, tiny(**{field: wanted}))
     assert f"{field} saved {getattr(tiny(), field)!r}, wanted {wanted!r}" in str(err.value)
 
 
@@ -56,9 +55,9 @@ def test_router_fields_must_match_when_the_checkpoint_has_routers(tmp_path, fiel
     be loaded under any of them (train_router loads the one backbone for every head config)."""
     path, _ = saved(tmp_path, tiny(), routers=True)
     with pytest.raises(ValueError, match=f"{field} saved"):
-        E.load_checkpoint(path, tiny(**{field: wanted}))
+        elastic_attention.load_checkpoint(path, tiny(**{field: wanted}))
     backbone, model = saved(tmp_path, tiny(), name="backbone.pt")
-    loaded, _ = E.load_checkpoint(backbone, tiny(**{field: wanted}))
+    loaded, _ = elastic_attention.load_checkpoint(backbone, tiny(**{field: wanted}))
     assert getattr(loaded.cfg, field) == wanted
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
 
@@ -69,9 +68,9 @@ def test_sink_window_and_run_time_fields_may_differ(tmp_path, routers):
     max_seq_len only sizes the RoPE table; the loaded model runs with the wanted values."""
     path, model = saved(tmp_path, tiny(), routers=routers)
     wanted = tiny(sink=4, window=9, max_seq_len=128)
-    loaded, ckpt = E.load_checkpoint(path, wanted)
+    loaded, ckpt = elastic_attention.load_checkpoint(path, wanted)
     assert (loaded.cfg.sink, loaded.cfg.window, loaded.cfg.max_seq_len, ckpt["step"]) == (4, 9, 128, 3)
-    ref = E.Transformer(wanted)
+    ref = elastic_attention.Transformer(wanted)
     if routers:
         ref.attach_routers()
     ref.load_state_dict(model.state_dict())
@@ -88,14 +87,14 @@ def test_truncated_checkpoint(tmp_path):
     with open(path, "wb") as f:
         f.write(data[:len(data) // 2])
     with pytest.raises(ValueError, match="truncated or damaged"):
-        E.load_checkpoint(path)
+        elastic_attention.load_checkpoint(path)
 
 
 def test_plain_state_dict(tmp_path):
     path = str(tmp_path / "sd.pt")
-    torch.save(E.Transformer(tiny()).state_dict(), path)
+    torch.save(elastic_attention.Transformer(tiny()).state_dict(), path)
     with pytest.raises(ValueError, match="plain state_dict.*expected a dict with the keys 'config', 'model'"):
-        E.load_checkpoint(path)
+        elastic_attention.load_checkpoint(path)
 
 
 def test_router_training_checkpoint(tmp_path):
@@ -103,15 +102,15 @@ def test_router_training_checkpoint(tmp_path):
     path = str(tmp_path / "router.pt")
     torch.save(dict(config={}, routers={}, lagrangian={}, optimizer={}, scheduler={}, step=0, log=[]), path)
     with pytest.raises(ValueError, match="router-training checkpoint.*expected a dict with the keys 'config', 'model'"):
-        E.load_checkpoint(path)
+        elastic_attention.load_checkpoint(path)
 
 
 def test_read_checkpoint_with_other_keys(tmp_path):
     """What train_router's --resume needs: a router.pt; a model checkpoint is named as such."""
     path, _ = saved(tmp_path, tiny())
     with pytest.raises(ValueError, match="is a model checkpoint.*expected a dict with the keys 'config', 'routers'"):
-        E.read_checkpoint(path, keys=("config", "routers"))
-    assert E.read_checkpoint(path)["step"] == 3
+        elastic_attention.read_checkpoint(path, keys=("config", "routers"))
+    assert elastic_attention.read_checkpoint(path)["step"] == 3
 
 
 @pytest.mark.parametrize("what", ["readme", "tensor", "directory"])
@@ -124,7 +123,7 @@ def test_files_that_are_not_checkpoints(tmp_path, what):
     else:
         path, match = str(tmp_path), "is a directory"
     with pytest.raises(ValueError, match=match):
-        E.load_checkpoint(path)
+        elastic_attention.load_checkpoint(path)
 
 
 def test_config_fields_this_code_does_not_know(tmp_path):
@@ -133,7 +132,7 @@ def test_config_fields_this_code_does_not_know(tmp_path):
     ckpt["config"]["flash_mode"] = 3
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match=r"unknown config fields \['flash_mode'\]"):
-        E.load_checkpoint(path)
+        elastic_attention.load_checkpoint(path)
 
 # -----------------------------------------------------------------------------
 # Hugging Face configs: refuse what the model does not implement, naming the field.
@@ -167,27 +166,27 @@ def hf_config(model_type="llama", **extra):
 def test_hf_configs_we_do_not_implement_are_refused(model_type, extra, field):
     d = {k: v for k, v in hf_config(model_type, **extra).items() if v is not None}
     with pytest.raises(ValueError, match=field):
-        E.Config.from_hf(d)
+        elastic_attention.Config.from_hf(d)
 
 
 def test_hf_configs_that_do_not_change_the_math_are_accepted():
     """Dropout acts only in training (the backbone is frozen here); pretraining_tp > 1 only slices
     HF's matmuls; Qwen3's sliding_window is ignored while use_sliding_window is false."""
-    E.Config.from_hf(hf_config(attention_dropout=0.1, pretraining_tp=2, hidden_act="silu", mlp_bias=False))
-    E.Config.from_hf(hf_config("qwen3", use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+    elastic_attention.Config.from_hf(hf_config(attention_dropout=0.1, pretraining_tp=2, hidden_act="silu", mlp_bias=False))
+    elastic_attention.Config.from_hf(hf_config("qwen3", use_sliding_window=False, sliding_window=4096, max_window_layers=28,
                                layer_types=["full_attention"] * 2))
-    E.Config.from_hf(hf_config(head_dim=16))   # Llama honours an explicit head_dim (4 × 16 != 32)
+    elastic_attention.Config.from_hf(hf_config(head_dim=16))   # Llama honours an explicit head_dim (4 × 16 != 32)
 
 
 def test_hf_defaults_follow_the_model_type():
     """A field left out gets HF's default for that model: Qwen3's head_dim is 128, not hidden / heads."""
     d = hf_config("qwen3")
-    assert E.Config.from_hf(d).head_dim == 128
-    assert E.Config.from_hf(hf_config()).head_dim == 8
+    assert elastic_attention.Config.from_hf(d).head_dim == 128
+    assert elastic_attention.Config.from_hf(hf_config()).head_dim == 8
 
 
 def test_from_pretrained_hf_refuses_before_reading_weights(tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump(hf_config(hidden_act="gelu"), f)
     with pytest.raises(ValueError, match="hidden_act"):
-        E.from_pretrained_hf(str(tmp_path))
+        elastic_attention.from_pretrained_hf(str(tmp_path))

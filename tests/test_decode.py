@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import decode
-import elastic_attention as E
+import elastic_attention
 import masks
 from masks import BLOCK_SPARSE, FULL, STREAMING
 
@@ -30,12 +30,12 @@ needs_triton = pytest.mark.skipif(not decode._HAS_TRITON, reason="triton is not 
 def tiny(**overrides):
     base = dict(vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256,
                 sink=2, window=5, block_size=4, xa_stride=2, pool_tokens=4)
-    return E.Config(**{**base, **overrides})
+    return elastic_attention.Config(**{**base, **overrides})
 
 
 def model_and_tokens(cfg, B, S, seed=0, dtype=torch.float64):
     torch.manual_seed(seed)
-    model = E.Transformer(cfg).to(DEVICE, dtype).eval()
+    model = elastic_attention.Transformer(cfg).to(DEVICE, dtype).eval()
     idx = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(seed + 1))
     return model, idx.to(DEVICE)
 

@@ -6,8 +6,7 @@ GPU image used for the benchmarks has it, and the closing notes report the run t
 import pytest
 import torch
 
-import elastic_attention as E
-
+import elastic_attention
 transformers = pytest.importorskip("transformers")
 
 
@@ -38,7 +37,7 @@ def build_hf(kind, **extra):
 ])
 def test_logits_match_hugging_face(kind, extra):
     hf_cfg, hf_model = build_hf(kind, **extra)
-    ours = E.load_hf_state_dict(E.Transformer(E.Config.from_hf(hf_cfg.to_dict())), hf_model.state_dict()).eval()
+    ours = elastic_attention.load_hf_state_dict(elastic_attention.Transformer(elastic_attention.Config.from_hf(hf_cfg.to_dict())), hf_model.state_dict()).eval()
     idx = torch.randint(0, 97, (2, 100), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf_model(idx).logits

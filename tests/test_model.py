@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import elastic_attention as E
+import elastic_attention
 import masks
 from masks import FULL, STREAMING
 
@@ -16,12 +16,12 @@ def tiny(**overrides):
     base = dict(vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256,
                 sink=2, window=5, block_size=4, xa_stride=2, pool_tokens=4)
     base.update(overrides)
-    return E.Config(**base)
+    return elastic_attention.Config(**base)
 
 
 def model_and_tokens(cfg, B, S, seed=0):
     torch.manual_seed(seed)
-    model = E.Transformer(cfg).double().eval()
+    model = elastic_attention.Transformer(cfg).double().eval()
     idx = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(seed + 1))
     return model, idx
 
@@ -33,14 +33,14 @@ def random_modes(cfg, B, seed, values=(FULL, STREAMING)):
 
 
 def test_presets_and_derived_fields():
-    for name in E.PRESETS:
-        cfg = E.Config.preset(name)
+    for name in elastic_attention.PRESETS:
+        cfg = elastic_attention.Config.preset(name)
         assert cfg.head_dim * cfg.n_heads == cfg.dim or name == "llama3-8b"
-    big = E.Config.preset("llama3-8b")
+    big = elastic_attention.Config.preset("llama3-8b")
     assert (big.n_heads, big.n_kv_heads, big.head_dim, big.ffn_dim) == (32, 8, 128, 14336)
-    assert E.Config(dim=128).ffn_dim == 352  # 2/3 · 512 = 341.3 → next multiple of 32
+    assert elastic_attention.Config(dim=128).ffn_dim == 352  # 2/3 · 512 = 341.3 → next multiple of 32
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
-        E.Config.preset("huge")
+        elastic_attention.Config.preset("huge")
 
 
 @SETTINGS
@@ -63,7 +63,7 @@ def test_all_full_modes_equal_backbone_and_window_ge_S_streaming_too():
     assert torch.equal(info["omega_msr"], torch.zeros(2)) and torch.equal(info["omega_esr"], torch.zeros(2).double())
     full, _ = model(idx, modes=torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.long))
     torch.testing.assert_close(full, backbone, rtol=0, atol=0)
-    wide = E.Transformer(tiny(window=64)).double().eval()
+    wide = elastic_attention.Transformer(tiny(window=64)).double().eval()
     wide.load_state_dict(model.state_dict())
     stream, _ = wide(idx, modes=torch.ones(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.long))
     torch.testing.assert_close(stream, backbone, rtol=1e-12, atol=1e-12)
@@ -172,16 +172,16 @@ def test_hf_state_dict_round_trip(qk_norm, tied):
     if tied:
         hf.pop("lm_head.weight")
     hf["model.rotary_emb.inv_freq"] = torch.zeros(4)  # old checkpoints carry it; ignored
-    dst = E.load_hf_state_dict(E.Transformer(cfg).double(), hf)
+    dst = elastic_attention.load_hf_state_dict(elastic_attention.Transformer(cfg).double(), hf)
     torch.testing.assert_close(dst(idx)[0], src(idx)[0], rtol=0, atol=0)
     bad = dict(hf)
     bad["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="q_proj.weight: checkpoint shape"):
-        E.load_hf_state_dict(E.Transformer(cfg).double(), bad)
+        elastic_attention.load_hf_state_dict(elastic_attention.Transformer(cfg).double(), bad)
     bad = dict(hf)
     bad.pop("model.norm.weight")
     with pytest.raises(ValueError, match="missing.*norm.weight"):
-        E.load_hf_state_dict(E.Transformer(cfg).double(), bad)
+        elastic_attention.load_hf_state_dict(elastic_attention.Transformer(cfg).double(), bad)
 
 
 def hf_config(model_type="llama", **extra):
@@ -193,38 +193,38 @@ def hf_config(model_type="llama", **extra):
 
 
 def test_config_from_hf():
-    cfg = E.Config.from_hf(hf_config())
+    cfg = elastic_attention.Config.from_hf(hf_config())
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.qk_norm) == \
         (32, 2, 4, 2, 8, 64, False)
-    q3 = E.Config.from_hf(hf_config("qwen3", head_dim=16, tie_word_embeddings=True))
+    q3 = elastic_attention.Config.from_hf(hf_config("qwen3", head_dim=16, tie_word_embeddings=True))
     assert q3.qk_norm and q3.head_dim == 16 and q3.tie_embeddings
     rs = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
-    assert E.Config.from_hf(hf_config(rope_scaling=rs)).rope_scaling["factor"] == 8.0
+    assert elastic_attention.Config.from_hf(hf_config(rope_scaling=rs)).rope_scaling["factor"] == 8.0
     with pytest.raises(ValueError, match="model_type='gpt2'"):
-        E.Config.from_hf(hf_config("gpt2"))
+        elastic_attention.Config.from_hf(hf_config("gpt2"))
     with pytest.raises(ValueError, match="yarn"):
-        E.Config.from_hf(hf_config(rope_scaling=dict(rope_type="yarn", factor=4.0)))
+        elastic_attention.Config.from_hf(hf_config(rope_scaling=dict(rope_type="yarn", factor=4.0)))
 
 
 def test_from_pretrained_hf_reads_safetensors(tmp_path):
     st_torch = pytest.importorskip("safetensors.torch")
     d = hf_config()
-    src = E.Transformer(E.Config.from_hf(d))
+    src = elastic_attention.Transformer(elastic_attention.Config.from_hf(d))
     (tmp_path / "config.json").write_text(json.dumps(d))
     sd = hf_names(src)
     keys = sorted(sd)
     st_torch.save_file({k: sd[k].contiguous() for k in keys[:5]}, str(tmp_path / "model-00001.safetensors"))
     st_torch.save_file({k: sd[k].contiguous() for k in keys[5:]}, str(tmp_path / "model-00002.safetensors"))
-    dst = E.from_pretrained_hf(str(tmp_path))
+    dst = elastic_attention.from_pretrained_hf(str(tmp_path))
     idx = torch.randint(0, 40, (1, 9))
     torch.testing.assert_close(dst(idx)[0], src(idx)[0], rtol=0, atol=0)
 
 
 def test_llama3_rope_scaling_changes_only_low_frequencies():
     rs = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
-    cos0, _ = E.rope_tables(16, 256, 10000.0)
-    cos1, _ = E.rope_tables(16, 256, 10000.0, rs)
+    cos0, _ = elastic_attention.rope_tables(16, 256, 10000.0)
+    cos1, _ = elastic_attention.rope_tables(16, 256, 10000.0, rs)
     assert torch.equal(cos0[:, 0], cos1[:, 0])  # the highest frequency is untouched
     assert not torch.equal(cos0[:, 7], cos1[:, 7])  # the lowest one is stretched
 

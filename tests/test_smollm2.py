@@ -15,9 +15,9 @@ import torch
 gguf = pytest.importorskip("gguf", reason="smollm2 needs the `gguf` package (pip install -e '.[test]')")
 tokenizers = pytest.importorskip("tokenizers", reason="smollm2 needs `tokenizers` (pip install -e '.[test]')")
 
-import elastic_attention as E  # noqa: E402
+import elastic_attention  # noqa: E402
 import masks  # noqa: E402
-import smollm2 as M  # noqa: E402
+import smollm2  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -51,13 +51,13 @@ def bpe():
 
 
 def tiny_config(vocab, **kw):
-    return E.Config(vocab_size=vocab, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+    return elastic_attention.Config(vocab_size=vocab, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
                     rope_theta=10000.0, norm_eps=1e-5, max_seq_len=2048, **kw)
 
 
 def random_model(cfg, seed=0):
     torch.manual_seed(seed)
-    model = E.Transformer(cfg).eval()
+    model = elastic_attention.Transformer(cfg).eval()
     with torch.no_grad():  # norms start at 1: randomise every tensor so no mapping error hides
         for p in model.parameters():
             p.normal_(0, 0.05 if p.dim() > 1 else 1.0)
@@ -66,12 +66,12 @@ def random_model(cfg, seed=0):
 
 # llama.cpp names and the storage type each of our tensors gets in the test files.
 def gguf_name(ours):
-    rev = {v: k for k, v in M._GLOBAL_NAMES.items()}
+    rev = {v: k for k, v in smollm2._GLOBAL_NAMES.items()}
     if ours in rev:
         return rev[ours]
     _, i, *rest = ours.split(".")
     sub = ".".join(rest)[:-len(".weight")]
-    return f"blk.{i}.{ {v: k for k, v in M._LAYER_NAMES.items()}[sub] }.weight"
+    return f"blk.{i}.{ {v: k for k, v in smollm2._LAYER_NAMES.items()}[sub] }.weight"
 
 
 def storage(ours, quantized):
@@ -113,9 +113,9 @@ def write_gguf(path, model, tokens, merges, quantized=False, arch="llama", extra
             continue  # tied: no output.weight in the file
         a = t.detach().float().numpy()
         if name.endswith("q_proj.weight"):
-            a = M.permute_qk(a, cfg.n_heads)
+            a = smollm2.permute_qk(a, cfg.n_heads)
         elif name.endswith("k_proj.weight"):
-            a = M.permute_qk(a, cfg.n_kv_heads)
+            a = smollm2.permute_qk(a, cfg.n_kv_heads)
         qt = storage(name, quantized)
         if qt == Q.F32:
             data, back = a, a
@@ -127,9 +127,9 @@ def write_gguf(path, model, tokens, merges, quantized=False, arch="llama", extra
             back = gguf.quants.dequantize(data, qt)
         w.add_tensor(gguf_name(name), data, raw_dtype=None if qt in (Q.F32, Q.F16) else qt)
         if name.endswith("q_proj.weight"):
-            back = M.unpermute_qk(back, cfg.n_heads)
+            back = smollm2.unpermute_qk(back, cfg.n_heads)
         elif name.endswith("k_proj.weight"):
-            back = M.unpermute_qk(back, cfg.n_kv_heads)
+            back = smollm2.unpermute_qk(back, cfg.n_kv_heads)
         held[name] = torch.from_numpy(np.ascontiguousarray(back))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -145,13 +145,13 @@ def tiny_file(tmp_path_factory, bpe):
     model = random_model(tiny_config(len(tokens), tie_embeddings=True))
     path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
     held = write_gguf(path, model, tokens, merges, quantized=True)
-    ref = E.load_hf_state_dict(E.Transformer(model.cfg), held).eval()
+    ref = elastic_attention.load_hf_state_dict(elastic_attention.Transformer(model.cfg), held).eval()
     return path, ref
 
 
 @pytest.fixture(scope="module")
 def tiny_tok(tiny_file):
-    return M.Tokenizer.from_gguf(tiny_file[0])
+    return smollm2.Tokenizer.from_gguf(tiny_file[0])
 
 # -----------------------------------------------------------------------------
 # The loader.
@@ -159,9 +159,9 @@ def tiny_tok(tiny_file):
 
 def test_permutation_round_trip():
     w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)  # 4 heads of D = 8
-    p = M.permute_qk(w, 4)
+    p = smollm2.permute_qk(w, 4)
     assert not np.array_equal(p, w)
-    np.testing.assert_array_equal(M.unpermute_qk(p, 4), w)
+    np.testing.assert_array_equal(smollm2.unpermute_qk(p, 4), w)
     # llama.cpp's layout pairs adjacent rows: head 0's rows 0 and 1 are HF's rows 0 and D/2 = 4.
     np.testing.assert_array_equal(p[:2], w[[0, 4]])
 
@@ -172,7 +172,7 @@ def test_f32_gguf_gives_the_same_logits(tmp_path, bpe, tied):
     model = random_model(tiny_config(len(tokens), tie_embeddings=tied), seed=1)
     path = str(tmp_path / "f32.gguf")
     write_gguf(path, model, tokens, merges, quantized=False)
-    loaded, _ = M.from_gguf(path, sink=4, window=16, pool_tokens=8)
+    loaded, _ = smollm2.from_gguf(path, sink=4, window=16, pool_tokens=8)
     assert loaded.cfg.tie_embeddings == tied
     for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "rope_theta",
               "max_seq_len"):
@@ -188,7 +188,7 @@ def test_f32_gguf_gives_the_same_logits(tmp_path, bpe, tied):
 def test_quantized_gguf_dequantizes_exactly(tiny_file):
     """Q4_1, Q8_0 and F16 tensors load as exactly the values llama.cpp's dequantiser gives."""
     path, ref = tiny_file
-    loaded, _ = M.from_gguf(path)
+    loaded, _ = smollm2.from_gguf(path)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert {Q.Q4_1, Q.Q8_0, Q.F16, Q.F32} <= set(types.values())
     for name, t in ref.state_dict().items():
@@ -205,7 +205,7 @@ def test_matches_transformers_gguf_loader(tiny_file):
     path, _ = tiny_file
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                            dtype=torch.float32).eval()
-    ours, _ = M.from_gguf(path)
+    ours, _ = smollm2.from_gguf(path)
     idx = torch.randint(0, ours.cfg.vocab_size, (2, 60), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want, got = hf(idx).logits, ours(idx)[0]
@@ -222,37 +222,37 @@ def test_refuses_what_the_model_does_not_implement(tmp_path, bpe, arch, extra, k
     path = str(tmp_path / "bad.gguf")
     write_gguf(path, random_model(tiny_config(len(tokens))), tokens, merges, arch=arch, extra_kv=extra)
     with pytest.raises(ValueError, match=re.escape(key)):
-        M.from_gguf(path)
+        smollm2.from_gguf(path)
 
 
 def test_verify_gguf(tmp_path):
     p = tmp_path / "m.gguf"
     p.write_bytes(b"not a model")
     with pytest.raises(ValueError, match="bytes, expected"):
-        M.verify_gguf(str(p))
+        smollm2.verify_gguf(str(p))
     import hashlib
     good = hashlib.sha256(b"not a model").hexdigest()
-    assert M.verify_gguf(str(p), size=11, sha256=good) == str(p)
+    assert smollm2.verify_gguf(str(p), size=11, sha256=good) == str(p)
     with pytest.raises(ValueError, match="sha256"):
-        M.verify_gguf(str(p), size=11, sha256="0" * 64)
+        smollm2.verify_gguf(str(p), size=11, sha256="0" * 64)
     with pytest.raises(ValueError, match="no GGUF file"):
-        M.verify_gguf(str(tmp_path / "missing.gguf"))
+        smollm2.verify_gguf(str(tmp_path / "missing.gguf"))
 
 def test_fetch_joins_pieces_and_checks_them(tmp_path, monkeypatch):
     import hashlib
     blob = bytes(range(256)) * 40
-    monkeypatch.setattr(M, "GGUF_SIZE", len(blob))
-    monkeypatch.setattr(M, "GGUF_SHA256", hashlib.sha256(blob).hexdigest())
-    target = tmp_path / M.GGUF_NAME
+    monkeypatch.setattr(smollm2, "GGUF_SIZE", len(blob))
+    monkeypatch.setattr(smollm2, "GGUF_SHA256", hashlib.sha256(blob).hexdigest())
+    target = tmp_path / smollm2.GGUF_NAME
     for i, start in enumerate(range(0, len(blob), 4000)):
-        (tmp_path / f"{M.GGUF_NAME}.part-a{chr(97 + i)}").write_bytes(blob[start:start + 4000])
-    assert M.fetch_gguf(str(tmp_path)) == str(target) and target.read_bytes() == blob
-    assert M.fetch_gguf(str(tmp_path)) == str(target)  # found, verified again, nothing joined
+        (tmp_path / f"{smollm2.GGUF_NAME}.part-a{chr(97 + i)}").write_bytes(blob[start:start + 4000])
+    assert smollm2.fetch_gguf(str(tmp_path)) == str(target) and target.read_bytes() == blob
+    assert smollm2.fetch_gguf(str(tmp_path)) == str(target)  # found, verified again, nothing joined
     target.unlink()
-    (tmp_path / f"{M.GGUF_NAME}.part-aa").write_bytes(b"corrupted")
+    (tmp_path / f"{smollm2.GGUF_NAME}.part-aa").write_bytes(b"corrupted")
     with pytest.raises(ValueError, match="bytes, expected"):
-        M.fetch_gguf(str(tmp_path))
-    assert not target.exists() and not (tmp_path / f"{M.GGUF_NAME}.part").exists()
+        smollm2.fetch_gguf(str(tmp_path))
+    assert not target.exists() and not (tmp_path / f"{smollm2.GGUF_NAME}.part").exists()
 
 # -----------------------------------------------------------------------------
 # The tokenizer.
@@ -287,12 +287,12 @@ def test_tokenizer_digits_and_chat(tiny_tok, bpe):
 
 
 def test_text_splits_are_disjoint_prose():
-    train, held_out = M.load_text("train"), M.load_text("eval")
+    train, held_out = smollm2.load_text("train"), smollm2.load_text("eval")
     assert len(train) > 2 * len(held_out) > 200
     assert not set(train) & set(held_out)
     for p in train + held_out:
-        assert len(p.split()) >= M.MIN_WORDS and "\n" not in p and not p.startswith(("+", "|", " "))
-    assert M.text_fingerprint().startswith("pydoc_data.topics (Python ")
+        assert len(p.split()) >= smollm2.MIN_WORDS and "\n" not in p and not p.startswith(("+", "|", " "))
+    assert smollm2.text_fingerprint().startswith("pydoc_data.topics (Python ")
 
 
 SEQ, WINDOW = 1536, 128
@@ -300,7 +300,7 @@ SEQ, WINDOW = 1536, 128
 
 @pytest.fixture(scope="module")
 def batch(tiny_tok):
-    return M.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="eval", window=WINDOW)
+    return smollm2.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="eval", window=WINDOW)
 
 
 def test_batch_contract(tiny_tok, batch):
@@ -310,10 +310,10 @@ def test_batch_contract(tiny_tok, batch):
     for k, dtype, shape in (("targets", torch.long, (B, S)), ("task_ids", torch.long, (B,)),
                             ("sensitive", torch.bool, (B,)), ("prompt_len", torch.long, (B,)),
                             ("lengths", torch.long, (B,)), ("query_pos", torch.long, (B,)),
-                            ("needle_pos", torch.long, (B, M.MAX_NEEDLES))):
+                            ("needle_pos", torch.long, (B, smollm2.MAX_NEEDLES))):
         assert b[k].dtype == dtype and tuple(b[k].shape) == shape, k
     assert sorted(b["task_ids"].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]  # balanced
-    assert torch.equal(b["sensitive"], torch.tensor([M.TASKS[i].category == "sensitive" for i in b["task_ids"]]))
+    assert torch.equal(b["sensitive"], torch.tensor([smollm2.TASKS[i].category == "sensitive" for i in b["task_ids"]]))
     assert torch.equal(b["query_pos"], b["prompt_len"] - 1)
     im_start = tiny_tok.encode("<|im_start|>")[0]
     for r in range(B):
@@ -322,7 +322,7 @@ def test_batch_contract(tiny_tok, batch):
         assert (b["tokens"][r, L:] == tiny_tok.pad_id).all()
         prompt = tiny_tok.decode(b["tokens"][r, :P], skip_special=False)
         assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n") and b["tokens"][r, 0] == im_start
-        at = (b["targets"][r] != M.IGNORE).nonzero().flatten()
+        at = (b["targets"][r] != smollm2.IGNORE).nonzero().flatten()
         assert len(at) and at.min() >= P - 1 and at.max() < L - 1
         assert torch.equal(b["targets"][r, at], b["tokens"][r, at + 1])   # the LM shift
 
@@ -330,17 +330,17 @@ def test_batch_contract(tiny_tok, batch):
 def test_tasks_place_their_evidence(tiny_tok, batch):
     b = batch
     for r in range(b["tokens"].shape[0]):
-        task = M.TASKS[int(b["task_ids"][r])]
+        task = smollm2.TASKS[int(b["task_ids"][r])]
         P, q = int(b["prompt_len"][r]), int(b["query_pos"][r])
         # the value (digits or word) and, for accuracy tasks, the separator token before it
-        scored = tiny_tok.decode(b["targets"][r][b["targets"][r] != M.IGNORE]).strip(' "')
+        scored = tiny_tok.decode(b["targets"][r][b["targets"][r] != smollm2.IGNORE]).strip(' "')
         needles = b["needle_pos"][r][b["needle_pos"][r] >= 0]
         prompt = tiny_tok.decode(b["tokens"][r, :P], skip_special=False)
         if task.category == "sensitive":
             needle = tiny_tok.decode(b["tokens"][r, needles])
             assert scored in needle and needle.strip() in prompt
             assert torch.equal(needles, torch.arange(int(needles[0]), int(needles[-1]) + 1))  # one span
-            assert q - int(needles.max()) >= WINDOW + M.MARGIN, "beyond a streaming head's window"
+            assert q - int(needles.max()) >= WINDOW + smollm2.MARGIN, "beyond a streaming head's window"
             assert int(needles.min()) >= 64, "beyond the sink (64 by default)"
         else:
             assert len(needles) == 0
@@ -351,7 +351,7 @@ def test_tasks_place_their_evidence(tiny_tok, batch):
             assert q - first <= 256, "the note is inside a streaming head's window"
             assert scored in prompt[note:]
         if task.metric == "nll":
-            assert (b["targets"][r] != M.IGNORE).sum() == M.CONTINUE_TOKENS
+            assert (b["targets"][r] != smollm2.IGNORE).sum() == smollm2.CONTINUE_TOKENS
         else:
             assert scored.isalnum()
 
@@ -359,18 +359,18 @@ def test_tasks_place_their_evidence(tiny_tok, batch):
 @pytest.mark.parametrize("seed", range(4))
 def test_needles_stay_beyond_window_and_sink(tiny_tok, seed):
     """Tight lengths, many draws: the placement's estimates must never break the guarantees."""
-    b = M.make_batch(tiny_tok, M.SENSITIVE, 8, 900, seed=seed, split="train", window=WINDOW, sink=96)
+    b = smollm2.make_batch(tiny_tok, smollm2.SENSITIVE, 8, 900, seed=seed, split="train", window=WINDOW, sink=96)
     for r in range(8):
         needles = b["needle_pos"][r][b["needle_pos"][r] >= 0]
-        assert int(b["query_pos"][r]) - int(needles.max()) >= WINDOW + M.MARGIN and int(needles.min()) >= 96
+        assert int(b["query_pos"][r]) - int(needles.max()) >= WINDOW + smollm2.MARGIN and int(needles.min()) >= 96
         assert int(b["lengths"][r]) <= 900
 
 
 def test_batches_are_seeded_and_splits_differ(tiny_tok, batch):
-    again = M.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="eval", window=WINDOW)
+    again = smollm2.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="eval", window=WINDOW)
     assert all(torch.equal(batch[k], again[k]) for k in batch)
-    train = M.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="train", window=WINDOW)
-    held_out = set(M.load_text("eval"))
+    train = smollm2.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="train", window=WINDOW)
+    held_out = set(smollm2.load_text("eval"))
     for r in range(8):
         text = tiny_tok.decode(train["tokens"][r, :int(train["prompt_len"][r])])
         assert not any(p in text for p in held_out)
@@ -378,31 +378,31 @@ def test_batches_are_seeded_and_splits_differ(tiny_tok, batch):
 
 def test_make_batch_rejects_bad_input(tiny_tok):
     with pytest.raises(ValueError, match="unknown task"):
-        M.make_batch(tiny_tok, ["passkey", "nope"], 2, SEQ, 0)
+        smollm2.make_batch(tiny_tok, ["passkey", "nope"], 2, SEQ, 0)
     with pytest.raises(ValueError, match="split"):
-        M.make_batch(tiny_tok, None, 2, SEQ, 0, split="test")
+        smollm2.make_batch(tiny_tok, None, 2, SEQ, 0, split="test")
     with pytest.raises(ValueError, match="too short"):
-        M.make_batch(tiny_tok, ["passkey"], 2, 300, 0, window=256)
+        smollm2.make_batch(tiny_tok, ["passkey"], 2, 300, 0, window=256)
     with pytest.raises(ValueError, match="depth"):
-        M.make_batch(tiny_tok, None, 2, SEQ, 0, depth=1.5)
+        smollm2.make_batch(tiny_tok, None, 2, SEQ, 0, depth=1.5)
 
 
 def test_scores():
     V = 5
-    targets = torch.full((3, 6), M.IGNORE)
+    targets = torch.full((3, 6), smollm2.IGNORE)
     targets[0, 2:4] = torch.tensor([1, 2])
     targets[1, 1:4] = torch.tensor([3, 3, 4])
     logits = torch.zeros(3, 6, V)
     logits[0, 2, 1] = logits[0, 3, 2] = 5.0          # row 0: both right
     logits[1, 1, 3] = logits[1, 2, 3] = logits[1, 3, 0] = 5.0  # row 1: last one wrong
-    acc = M.answer_accuracy(logits, targets)
+    acc = smollm2.answer_accuracy(logits, targets)
     assert acc[:2].tolist() == [1.0, 0.0] and torch.isnan(acc[2])
     want0 = torch.nn.functional.cross_entropy(logits[0, 2:4], targets[0, 2:4])
-    got = M.nll(logits, targets)
+    got = smollm2.nll(logits, targets)
     assert got[0] == pytest.approx(float(want0), rel=1e-6) and torch.isnan(got[2])
-    pos, tgt = M.scored_positions(targets)
+    pos, tgt = smollm2.scored_positions(targets)
     assert pos.tolist() == [[2, 3, 0], [1, 2, 3], [0, 0, 0]]
-    assert tgt[1].tolist() == [3, 3, 4] and tgt[0, 2] == M.IGNORE
+    assert tgt[1].tolist() == [3, 3, 4] and tgt[0, 2] == smollm2.IGNORE
 
 
 def test_forward_scored_matches_the_model(tiny_file, tiny_tok, batch):
@@ -411,22 +411,22 @@ def test_forward_scored_matches_the_model(tiny_file, tiny_tok, batch):
     sub = {k: v[:3] for k, v in batch.items()}
     idx = sub["tokens"][:, :int(sub["lengths"].max())]
     sub = {**sub, "tokens": idx, "targets": sub["targets"][:, :idx.shape[1]]}
-    modes = M.uniform_modes(model, 3, masks.STREAMING)
+    modes = smollm2.uniform_modes(model, 3, masks.STREAMING)
     modes[0][1, 0] = masks.FULL
-    logits, tgt = M.forward_scored(model, sub, modes)
+    logits, tgt = smollm2.forward_scored(model, sub, modes)
     with torch.no_grad():
         full, _ = model(idx, modes=modes)
-    pos, want_tgt = M.scored_positions(sub["targets"])
+    pos, want_tgt = smollm2.scored_positions(sub["targets"])
     ref = full[torch.arange(3)[:, None], pos]
     assert torch.equal(tgt, want_tgt)
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(M.nll(logits, tgt), M.nll(full, sub["targets"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(smollm2.nll(logits, tgt), smollm2.nll(full, sub["targets"]), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_answers_runs(tiny_file, tiny_tok, batch):
     _, model = tiny_file
-    out = M.decode_answers(model, tiny_tok, {k: v[:2] for k, v in batch.items()}, max_new_tokens=3)
-    assert [o["task"] for o in out] == [M.TASKS[int(i)].name for i in batch["task_ids"][:2]]
+    out = smollm2.decode_answers(model, tiny_tok, {k: v[:2] for k, v in batch.items()}, max_new_tokens=3)
+    assert [o["task"] for o in out] == [smollm2.TASKS[int(i)].name for i in batch["task_ids"][:2]]
     assert all(isinstance(o["answer"], str) and o["expected"] for o in out)
 
 # -----------------------------------------------------------------------------
@@ -434,10 +434,10 @@ def test_decode_answers_runs(tiny_file, tiny_tok, batch):
 
 
 def test_real_model_answers_in_chat():
-    path = os.path.join(M.default_cache_dir(), M.GGUF_NAME)
+    path = os.path.join(smollm2.default_cache_dir(), smollm2.GGUF_NAME)
     if not os.path.exists(path):
         pytest.skip(f"{path} not present (python -c 'import smollm2; smollm2.fetch_gguf()' fetches it)")
-    model, tok = M.from_gguf(M.verify_gguf(path))
+    model, tok = smollm2.from_gguf(smollm2.verify_gguf(path))
     assert (model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_kv_heads, model.cfg.dim) == (30, 9, 3, 576)
     ids = torch.tensor([tok.encode(tok.chat_text("What is the capital of France?"))])
     out, _ = model.generate(ids, 8)
