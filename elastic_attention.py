@@ -50,7 +50,7 @@ HEAD_CONFIGS = {
     "XA-XA": (BLOCK_SPARSE, BLOCK_SPARSE),  # both sides XAttention: the router changes nothing; a baseline
 }
 GATES = ("hard-concrete", "gumbel")
-BACKENDS = ("auto", "torch", "triton", "reference")
+BACKENDS = kernels.BACKENDS  # "auto", "reference", "torch", "triton": see kernels.hybrid_attention
 
 
 @dataclass

@@ -135,8 +135,11 @@ if args.seeds:
     if len(set(seeds)) != len(seeds) or len(seeds) < 2:
         fail(f"--seeds needs at least two distinct seeds, got {args.seeds!r}")
     base = args.out or os.path.join("runs", f"{'smoke' if args.smoke else args.preset}-{args.config}")
-    passed = [a for i, a in enumerate(sys.argv[1:]) if a not in ("--seeds", "--out", "--seed")
-              and sys.argv[i] not in ("--seeds", "--out", "--seed") and not a.startswith(("--seeds=", "--out="))]
+    passed, skip = [], False  # this command's flags without --seeds/--seed/--out and their values
+    for a in sys.argv[1:]:
+        if not skip and a.split("=")[0] not in ("--seeds", "--seed", "--out"):
+            passed.append(a)
+        skip = not skip and a in ("--seeds", "--seed", "--out")
     for seed in seeds:
         print(f"=== seed {seed} ===", flush=True)
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), *passed, "--seed", str(seed),

@@ -265,3 +265,18 @@ def test_two_processes_train_the_same_routers_as_one(tmp_path):
             for stat in ("score", "omega_msr", "omega_esr"):
                 assert r[stat] == pytest.approx(res["results"][method][task][stat], abs=1e-6), (method, task, stat)
 
+
+
+def test_seeds_run_one_process_each_and_aggregate(tmp_path):
+    """--seeds: one run per seed in <out>/seed<N>, then mean ± sd over them in <out>/results.json."""
+    proc = run_script("--seeds", "0,1", "--steps", "2", "--eval-per-task", "2", "--batch-size", "2",
+                      "--curve-points", "2", "--no-static", "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads((tmp_path / f"seed{s}" / "results.json").read_text()) for s in (0, 1)]
+    assert [r["seed"] for r in runs] == [0, 1]
+    agg = json.loads((tmp_path / "results.json").read_text())
+    assert agg["seeds"] == [0, 1] and "mean±sd" in (tmp_path / "table.txt").read_text()
+    for task, stats in agg["methods"]["elastic"].items():
+        scores = [r["results"]["elastic"][task]["score"] for r in runs]
+        assert stats["score"]["mean"] == pytest.approx(sum(scores) / 2)
+        assert stats["score"]["sd"] == pytest.approx(abs(scores[0] - scores[1]) / 2 ** 0.5)
