@@ -510,6 +510,16 @@ def attention_rows(idx, positions):
     return torch.stack(rows)                                                 # (L, B, Hq, S)
 
 
+held_out = {}  # every method sees the same held-out batches: build each once
+
+
+def eval_batch(name, task_id, i, seq_len=S):
+    key = (name, i, seq_len)
+    if key not in held_out:
+        held_out[key] = batch("eval", 1000 * task_id + i, min(P["eval_batch"], P["eval_per_task"]), [name], seq_len)
+    return held_out[key]
+
+
 @torch.no_grad()
 def evaluate(modes=None, seq_len=S):
     """{task: {score, omega_msr, omega_esr, omega_esr_last, full_frac (L, Hkv)}} for one method. The
@@ -518,7 +528,7 @@ def evaluate(modes=None, seq_len=S):
     for j, (name, task_id, i) in enumerate(eval_index):
         if j % world != rank:
             continue
-        b = batch("eval", 1000 * task_id + i, min(P["eval_batch"], P["eval_per_task"]), [name], seq_len)
+        b = eval_batch(name, task_id, i, seq_len)
         given = None if modes is None else modes.unsqueeze(1).expand(-1, b["tokens"].shape[0], -1)
         logits, info = model(b["tokens"], modes=given, lengths=b.get("lengths"), prompt_lengths=b["prompt_len"])
         score = suite.nll(logits, b["targets"]) if metric[name] == "nll" else suite.answer_accuracy(logits, b["targets"])
@@ -553,7 +563,7 @@ with torch.no_grad():
     scores = []
     for name in (t.name for t in TASKS if t.category == "sensitive"):
         for i in range(n_batches):
-            b = batch("eval", 1000 * suite.get_task(name).task_id + i, min(P["eval_batch"], P["eval_per_task"]), [name])
+            b = eval_batch(name, suite.get_task(name).task_id, i)
             # The row that predicts the first answer token: where a retrieval head reads the needle.
             first_answer = (b["targets"] != -100).int().argmax(1)                     # (B,)
             scores.append(tasks.retrieval_scores(attention_rows(b["tokens"], first_answer), b["needle_pos"],
