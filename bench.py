@@ -21,6 +21,7 @@ and prints compact tables last.
     python bench.py --backward           # also forward+backward against Flex, split and SDPA
     python bench.py --train              # router-training step: backend "torch" vs "triton"
     python bench.py --old kernels_old    # also time another kernels module's forward (before/after)
+    python bench.py --bwd-tune           # backward tile configs (with --old: that module's backward too)
     python bench.py --decode             # decode: compact per-head KV cache vs full-cache peers
 Without CUDA it runs a tiny smoke test on the CPU (Triton interpreter, eager Flex, wall clock):
 it checks that every path runs, and its times say nothing about speed.
@@ -87,6 +88,9 @@ parser.add_argument("--train-seq-lens", type=str, default="4096,8192,16384,32768
 parser.add_argument("--train-batch", type=int, default=1, help="samples per training step")
 parser.add_argument("--tune", action="store_true", help="time a few tile configs of our kernel at --tune-seq-len")
 parser.add_argument("--tune-seq-len", type=int, default=32768 if CUDA else 256, help="S of the --tune sweep")
+parser.add_argument("--bwd-tune", action="store_true",
+                    help="time a few backward tile configs (dk/dv, dq) at --tune-seq-len, backward alone; "
+                         "--backward then runs the fastest all-FULL one")
 parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
 parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
 parser.add_argument("--seed", type=int, default=0, help="random seed of inputs, modes and block masks")
@@ -311,7 +315,7 @@ def make_split(S, modes, backward=False):
     return split
 
 
-def backward_timings(q, k, v, modes, bm, bs, kind, rec):
+def backward_timings(q, k, v, modes, bm, bs, kind, rec, bwd_cfg=None):
     """Forward+backward ms (one upstream gradient do, dq/dk/dv returned) of ours, Flex, the split
     baseline and SDPA dense; each peer's gradients' max |difference| from ours."""
     S = q.shape[2]
@@ -320,7 +324,8 @@ def backward_timings(q, k, v, modes, bm, bs, kind, rec):
 
     def fwd_bwd(attention):
         return lambda: torch.autograd.grad(attention(*leaves), leaves, do)
-    ours = fwd_bwd(lambda q, k, v: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs))
+    ours = fwd_bwd(lambda q, k, v: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs,
+                                                                  bwd_config=bwd_cfg))
     try:
         g_ours = ours()
         rec["ours_fb_ms"] = bench_ms(ours)
@@ -465,6 +470,61 @@ def tune(S, perm):
                      else rec["error"]))
     return rows
 
+
+
+def bwd_tune(S, perm):
+    """Backward alone (dq, dk, dv from a saved forward) for several (dk/dv, dq) tile configs, each
+    (BLOCK_M, BLOCK_N, num_warps, num_stages): first the dk/dv config varied with the dq config held,
+    then the dq config, then the best of each together. With --old, that module's backward too."""
+    gen = torch.Generator().manual_seed(args.seed)
+    q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
+    do = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    dkdv0, dq0 = kernels._bwd_tile_config(D, dtype, args.block_size, False, not CUDA)   # the default
+    if CUDA:
+        dkdvs = [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3),
+                 (64, 64, 4, 3), (32, 128, 4, 2), (16, 128, 4, 3)]
+        dqs = [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3),
+               (64, 64, 4, 3), (128, 32, 4, 2)]
+    else:
+        dkdvs, dqs = [(16, 16, 4, 1)], [(16, 16, 4, 1)]
+    dkdvs, dqs = [c for c in dkdvs if c != dkdv0], [c for c in dqs if c != dq0]
+    rows, refs = [], {}
+
+    def run(frac, dkdv, dq_cfg, module=kernels, label=None):
+        modes = modes_for(frac, perm)
+        cfg = (dkdv, dq_cfg) if module is kernels else None
+        o = module.fused_hybrid_attention(*leaves, modes, args.sink, args.window,
+                                          **(dict(bwd_config=cfg) if cfg else {}))
+        rec = dict(S=S, frac=frac, dkdv=dkdv, dq=dq_cfg, module=label or "ours")
+        try:
+            grads = torch.autograd.grad(o, leaves, do, retain_graph=True)
+            if frac not in refs:
+                refs[frac] = grads
+            rec["diff"] = max(max_diff(a, b) for a, b in zip(grads, refs[frac]))
+            rec["ms"] = bench_ms(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True))
+        except Exception as e:  # noqa: BLE001 (a config that does not fit is reported)
+            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(rec)
+        print(f"  bwd-tune S={S} f={frac} {rec['module']} dkdv={dkdv} dq={dq_cfg}: "
+              + (f"{rec['ms']:.3f} ms diff {rec['diff']:.1e}" if "ms" in rec else rec["error"]), flush=True)
+        return rec.get("ms", math.inf)
+
+    for frac in (0.0, 0.75):
+        base = run(frac, dkdv0, dq0)
+        if old_kernels is not None:
+            run(frac, None, None, old_kernels, label=args.old)
+        t_dkdv = {c: run(frac, c, dq0) for c in dkdvs}
+        t_dq = {c: run(frac, dkdv0, c) for c in dqs}
+        t_dkdv[dkdv0] = t_dq[dq0] = base
+        pick = (min(t_dkdv, key=t_dkdv.get), min(t_dq, key=t_dq.get))
+        if pick != (dkdv0, dq0):
+            run(frac, *pick)
+    full = [r for r in rows if "ms" in r and r["frac"] == 0.0 and r["module"] == "ours"]
+    return rows, min(full, key=lambda r: r["ms"]) if full else None
+
 # ----------------------------------------------------------------------------------------------
 # The grid
 
@@ -476,7 +536,8 @@ def main():
                device=torch.cuda.get_device_name() if CUDA else "cpu (interpreter smoke test)",
                sdpa_enable_gqa=SDPA_GQA)
     print(env)
-    results = dict(env=env, args=vars(args), runs=[], tune=[], ours_config=None, train=[])
+    results = dict(env=env, args=vars(args), runs=[], tune=[], ours_config=None, train=[], bwd_tune=[],
+                   ours_bwd_config=None)
     if args.tune:  # the grid below then runs the fastest all-FULL config
         results["tune"] = tune(args.tune_seq_len, perm)
         full = [r for r in results["tune"] if "ms" in r and r["frac"] == 0.0]
@@ -484,6 +545,12 @@ def main():
             results["ours_config"] = min(full, key=lambda r: r["ms"])["config"]
         print(f"grid runs config={results['ours_config']}")
     cfg = results["ours_config"]
+    if args.bwd_tune:  # --backward then runs the fastest all-FULL backward config
+        results["bwd_tune"], best = bwd_tune(args.tune_seq_len, perm)
+        if best:
+            results["ours_bwd_config"] = (best["dkdv"], best["dq"])
+        print(f"backward runs bwd_config={results['ours_bwd_config']}")
+    bwd_cfg = results["ours_bwd_config"]
 
     def save():  # after every section and every S: partial runs survive
         with open(os.path.join(args.out, "bench.json"), "w") as f:
@@ -555,7 +622,7 @@ def main():
                 del split
 
             if args.backward and S in bwd_seq_lens and (kind != "hybrid" or frac in bwd_fracs):
-                backward_timings(q, k, v, modes, bm, bs, kind, rec)
+                backward_timings(q, k, v, modes, bm, bs, kind, rec, bwd_cfg)
 
             for peer in ("ours", "flex", "split"):
                 ms = rec.get(f"{peer}_ms")
@@ -586,6 +653,8 @@ def main():
     print_table(results["runs"])
     if args.backward:
         print_backward_table(results["runs"])
+    if results["bwd_tune"]:
+        print_bwd_tune_table(results["bwd_tune"], results["ours_bwd_config"])
     if results["train"]:
         print_train_table(results["train"])
     if args.xa:
@@ -709,6 +778,14 @@ def print_backward_table(runs):
               f"{fmt(r.get('sdpa_fb_ms'), '8.2f'):>8}  {fmt(r.get('ours_fb_vs_flex'), '6.2f', 'x'):>7}  "
               f"{fmt(r.get('ours_fb_vs_split'), '7.2f', 'x'):>8}  {fmt(r.get('ours_fb_vs_sdpa'), '6.2f', 'x'):>7}  "
               f"{fmt(r.get('flex_fb_diff'), '.1e')}/{fmt(r.get('split_fb_diff'), '.1e')}")
+
+
+def print_bwd_tune_table(rows, best):
+    print(f"\nbackward alone, tile configs (BLOCK_M, BLOCK_N, warps, stages); --backward ran {best}")
+    print("      S     f  module        dk/dv config       dq config            ms  max grad diff")
+    for r in rows:
+        print(f"{r['S']:>7}  {r['frac']:4.2f}  {r['module']:<12}  {str(r['dkdv']):<17}  {str(r['dq']):<17}  "
+              f"{fmt(r.get('ms'), '8.2f'):>8}  {fmt(r.get('diff'), '.1e'):>13}" + (f"  {r['error']}" if "error" in r else ""))
 
 
 def print_train_table(rows):

@@ -98,19 +98,19 @@ def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
 
 
 def _bwd_tile_config(D, dtype, block_size, has_block_sparse, interpret):
-    """Backward tiles (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages), as in
-    FlashAttention-2: the dk/dv program holds a tall key tile (BLOCK_N1) and streams short query
-    tiles (BLOCK_M1) past it; the dq program holds a tall query tile (BLOCK_M2) and streams short
-    key tiles (BLOCK_N2). Short streamed tiles keep the masked diagonal band narrow."""
+    """Backward tiles, one (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, as in
+    FlashAttention-2: the dk/dv program holds a tall key tile (BLOCK_N) and streams short query
+    tiles (BLOCK_M) past it; the dq program holds a tall query tile (BLOCK_M) and streams short
+    key tiles (BLOCK_N). Short streamed tiles keep the masked diagonal band narrow."""
     if interpret:
-        m1, n1, m2, n2, warps, stages = 16, 32, 32, 16, 4, 1
+        dkdv, dq = (16, 32, 4, 1), (32, 16, 4, 1)
     elif D <= 128 and dtype != torch.float32:
-        m1, n1, m2, n2, warps, stages = 32, 128, 128, 32, 4, 3
+        dkdv, dq = (32, 128, 4, 3), (128, 32, 4, 3)
     else:
-        m1, n1, m2, n2, warps, stages = 32, 64, 64, 32, 4, 2
+        dkdv, dq = (32, 64, 4, 2), (64, 32, 4, 2)
     if has_block_sparse:
-        m1, n1, m2, n2 = (min(x, block_size) for x in (m1, n1, m2, n2))
-    return m1, n1, m2, n2, warps, stages
+        dkdv, dq = ((min(m, block_size), min(n, block_size), w, s) for m, n, w, s in (dkdv, dq))
+    return dkdv, dq
 
 
 def block_lists(block_mask, transpose=False):
@@ -139,6 +139,13 @@ def _dot_precision(dtype):
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
     return "tf32"  # ignored for 16-bit inputs
+
+
+def _split_ds(dtype):
+    """Whether the backward multiplies dS into dq and dk as two 16-bit products, dS rounded plus
+    its rounding remainder. bf16 keeps 8 bits of dS, whose rounding alone would double dq's error
+    against torch's attention (which keeps dS in fp32); fp16 keeps 11 bits, fp32 needs no split."""
+    return dtype == torch.bfloat16
 
 
 def _block_sparse_args(block_mask, device):
@@ -427,6 +434,16 @@ def hybrid_attention_reference_grad(q, k, v, modes, sink, window, block_mask, bl
 
 if _HAS_TRITON:
     @triton.jit
+    def _dot_ds(ds, x, acc, SPLIT_DS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """acc + ds @ x for fp32 ds and a 16-bit (or fp32) tile x. SPLIT_DS (kernels._split_ds):
+        ds as hi + lo, both in x's dtype, two products; hi + lo keeps ~16 bits of ds, not 8."""
+        ds_hi = ds.to(x.dtype)
+        acc = tl.dot(ds_hi, x, acc, input_precision=DOT_PRECISION)
+        if SPLIT_DS:
+            acc = tl.dot((ds - ds_hi.to(tl.float32)).to(x.dtype), x, acc, input_precision=DOT_PRECISION)
+        return acc
+
+    @triton.jit
     def _query_tile_range(RANGE: tl.constexpr, n0, seq_len, full_end, any_end, n_listed,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Query tiles [lo, hi) of one range for keys n0 … n0+BLOCK_N-1 (query tile t holds rows
@@ -451,7 +468,8 @@ if _HAS_TRITON:
                              seq_len, sink, window, full_end, any_end, n_listed, qk_scale,
                              stride_qs, stride_dos,
                              RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                             SPLIT_DS: tl.constexpr):
         """Fold the query tiles of one range into dk, dv (BLOCK_N, BLOCK_D) of the key tile n0 … .
         Q_tile / DO_tile point at rows 0 … BLOCK_M-1 of one query head; Lse_row / Delta_row at its
         row 0. Works on transposed scores (keys × queries), so that dk and dv are plain row sums."""
@@ -489,7 +507,7 @@ if _HAS_TRITON:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)         # (BLOCK_N, BLOCK_D)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)                # (BLOCK_N, BLOCK_M)
             dsT = pT * (dpT - delta[None, :])
-            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)          # (BLOCK_N, BLOCK_D)
+            dk = _dot_ds(dsT, q, dk, SPLIT_DS, DOT_PRECISION)                           # (BLOCK_N, BLOCK_D)
         return dk, dv
 
     @triton.jit(do_not_specialize=["seq_len", "n_k_tiles", "H_KV", "G", "sink", "window"])
@@ -506,6 +524,7 @@ if _HAS_TRITON:
         stride_ib, stride_ih, stride_ic, stride_cb, stride_ch, stride_db, stride_dh,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MASK_BLOCK: tl.constexpr, HAS_BLOCK_SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SPLIT_DS: tl.constexpr,
     ):
         """One program = one BLOCK_N-key tile of one (sample, KV head): dk, dv of those keys, summed
         over the G query heads, each walking only the query tiles that can see a key of the tile."""
@@ -567,7 +586,7 @@ if _HAS_TRITON:
                     dk, dv, k, v, Q_tile, DO_tile, Lse_row, Delta_row, query_list, n0, seq_len, sink,
                     window, full_end, any_end, n_listed, qk_scale, stride_qs, stride_dos,
                     RANGE=RANGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-                    TILES_PER_BLOCK=MASK_BLOCK // BLOCK_M, DOT_PRECISION=DOT_PRECISION)
+                    TILES_PER_BLOCK=MASK_BLOCK // BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPLIT_DS=SPLIT_DS)
 
         # -- 5. store (scores were s = q kᵀ / √D, so dk picks up 1/√D) -----------------------------------
         d_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
@@ -582,7 +601,8 @@ if _HAS_TRITON:
     def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_tile, V_tile, block_list, m0, seq_len, sink, window,
                            first_tile, n_listed, qk_scale, stride_ks, stride_vs,
                            RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                           SPLIT_DS: tl.constexpr):
         """Fold the key tiles of one range (the forward's walk) into dq (BLOCK_M, BLOCK_D)."""
         MASKED: tl.constexpr = (RANGE == SINK_EDGE) | (RANGE == WINDOW_EDGE) | (RANGE == DIAGONAL)
         lo, hi = _key_tile_range(RANGE, m0, seq_len, sink, window, first_tile, n_listed, BLOCK_M, BLOCK_N)
@@ -603,7 +623,7 @@ if _HAS_TRITON:
             p = tl.math.exp2(qk - lse2[:, None])                                      # (BLOCK_M, BLOCK_N)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)               # (BLOCK_M, BLOCK_N)
             ds = p * (dp - delta[:, None])
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)         # (BLOCK_M, BLOCK_D)
+            dq = _dot_ds(ds, k, dq, SPLIT_DS, DOT_PRECISION)                          # (BLOCK_M, BLOCK_D)
         return dq
 
     @triton.jit(do_not_specialize=["seq_len", "n_q_tiles", "H_KV", "G", "sink", "window"])
@@ -619,6 +639,7 @@ if _HAS_TRITON:
         stride_ib, stride_ih, stride_ir, stride_cb, stride_ch, stride_db, stride_dh,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MASK_BLOCK: tl.constexpr, HAS_BLOCK_SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SPLIT_DS: tl.constexpr,
     ):
         """One program = one BLOCK_M-row query tile of one (sample, query head): dq of those rows,
         walking the same key ranges as the forward."""
@@ -664,7 +685,7 @@ if _HAS_TRITON:
             dq = _attn_bwd_dq_inner(
                 dq, q, do, lse2, delta, K_tile, V_tile, block_list, m0, seq_len, sink, window, first_tile,
                 n_listed, qk_scale, stride_ks, stride_vs, RANGE=RANGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                HEAD_DIM=HEAD_DIM, TILES_PER_BLOCK=MASK_BLOCK // BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                HEAD_DIM=HEAD_DIM, TILES_PER_BLOCK=MASK_BLOCK // BLOCK_N, DOT_PRECISION=DOT_PRECISION, SPLIT_DS=SPLIT_DS)
 
         # -- 5. store --------------------------------------------------------------------------------------
         tl.store(DQ + b.to(tl.int64) * stride_dqb + h_q.to(tl.int64) * stride_dqh
@@ -673,23 +694,24 @@ if _HAS_TRITON:
                  mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM))
 
 
-def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_args, block_size, has_bs):
-    """(dq, dk, dv) in the inputs' dtypes from two launches (dk/dv, then dq)."""
+def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_args, block_size, has_bs,
+                                 bwd_config):
+    """(dq, dk, dv) in the inputs' dtypes from two launches (dk/dv, then dq); bwd_config as
+    _bwd_tile_config returns it."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if S == 0:
         return dq, dk, dv
     kv_idx, kv_cnt, q_idx, q_cnt, diag = bs_args
-    M1, N1, M2, N2, num_warps, num_stages = _bwd_tile_config(D, q.dtype, block_size, has_bs, _interpreting())
+    (M1, N1, warps1, stages1), (M2, N2, warps2, stages2) = bwd_config
     # Δ_i = Σ_d dO_id O_id, and the LSE in log2 units with an empty row's -inf turned to +inf
     # (its p = exp2(s - lse) must be 0, not exp2(-inf + inf) = NaN).
     delta = (do.float() * o.float()).sum(-1).contiguous()                       # (B, Hq, S)
     lse2 = torch.where(torch.isneginf(lse), float("inf"), lse * 1.4426950408889634).contiguous()
     sm_scale = 1.0 / math.sqrt(D)
     common = dict(BLOCK_D=max(16, triton.next_power_of_2(D)), HEAD_DIM=D, HAS_BLOCK_SPARSE=has_bs,
-                  DOT_PRECISION=_dot_precision(q.dtype),
-                  num_warps=num_warps, num_stages=num_stages)
+                  DOT_PRECISION=_dot_precision(q.dtype), SPLIT_DS=_split_ds(q.dtype))
     n_k_tiles = triton.cdiv(S, N1)
     _hybrid_attention_bwd_dkdv[(B * Hkv * n_k_tiles,)](
         q, k, v, do, lse2, delta, dk, dv, modes32, q_idx, q_cnt, diag,
@@ -698,7 +720,8 @@ def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_
         lse2.stride(0), lse2.stride(1), *modes32.stride(),
         q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), q_cnt.stride(0), q_cnt.stride(1),
         diag.stride(0), diag.stride(1),
-        BLOCK_M=M1, BLOCK_N=N1, MASK_BLOCK=block_size if has_bs else M1, **common)
+        BLOCK_M=M1, BLOCK_N=N1, MASK_BLOCK=block_size if has_bs else M1, **common,
+        num_warps=warps1, num_stages=stages1)
     n_q_tiles = triton.cdiv(S, M2)
     _hybrid_attention_bwd_dq[(B * Hq * n_q_tiles,)](
         q, k, v, do, lse2, delta, dq, modes32, kv_idx, kv_cnt, diag,
@@ -707,7 +730,8 @@ def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_
         lse2.stride(0), lse2.stride(1), *modes32.stride(),
         kv_idx.stride(0), kv_idx.stride(1), kv_idx.stride(2), kv_cnt.stride(0), kv_cnt.stride(1),
         diag.stride(0), diag.stride(1),
-        BLOCK_M=M2, BLOCK_N=N2, MASK_BLOCK=block_size if has_bs else N2, **common)
+        BLOCK_M=M2, BLOCK_N=N2, MASK_BLOCK=block_size if has_bs else N2, **common,
+        num_warps=warps2, num_stages=stages2)
     return dq, dk, dv
 
 # -----------------------------------------------------------------------------
@@ -715,12 +739,13 @@ def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_
 
 class _FusedHybridAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, modes32, sink, window, block_mask, block_size, config):
+    def forward(ctx, q, k, v, modes32, sink, window, block_mask, block_size, config, bwd_config):
         has_bs = block_mask is not None
         bs_args = _block_sparse_args(block_mask, q.device)
         o, lse = _hybrid_attention_fwd_launch(q, k, v, modes32, sink, window, bs_args, block_size, has_bs, config)
         ctx.save_for_backward(q, k, v, o, lse, modes32, *bs_args)
         ctx.sink, ctx.window, ctx.block_size, ctx.has_bs = sink, window, block_size, has_bs
+        ctx.bwd_config = bwd_config
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -728,12 +753,12 @@ class _FusedHybridAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):  # the LSE is an output for callers, not differentiated through
         q, k, v, o, lse, modes32, *bs_args = ctx.saved_tensors
         dq, dk, dv = _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, ctx.sink, ctx.window,
-                                                  bs_args, ctx.block_size, ctx.has_bs)
-        return dq, dk, dv, None, None, None, None, None, None
+                                                  bs_args, ctx.block_size, ctx.has_bs, ctx.bwd_config)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, *,
-                           return_lse=False, config=None):
+                           return_lse=False, config=None, bwd_config=None):
     """Fused causal hybrid attention, forward and backward: each (sample, KV head) in its own mode.
     q (B, Hq, S, D); k, v (B, Hkv, S, D); modes (B, Hkv) int; block_mask (B, Hkv, nB, nB) bool at
     block_size, needed when a head is BLOCK_SPARSE. Returns o (B, Hq, S, D) in q's dtype, and with
@@ -756,7 +781,8 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
     that backward; the kernels compute whole tiles, so about BLOCK_M/2 extra keys per row on each
     masked edge (window start, partial sink tile, diagonal).
 
-    config=(BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the forward's _tile_config. Passing a
+    config=(BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the forward's _tile_config, and
+    bwd_config=(dk/dv config, dq config), each such a tuple, the backward's _bwd_tile_config. Passing a
     block_mask compiles the list walk in and sizes the tiles for its block_size, whatever the modes:
     pass None when no head is BLOCK_SPARSE (this avoids a host sync to look at the modes).
     Non-contiguous q/k/v are fine (the kernels take strides); the outputs are contiguous.
@@ -770,12 +796,14 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
     check_block_mask(block_mask, modes, S, block_size)
     has_bs = block_mask is not None
     config = config or _tile_config(D, q.dtype, block_size, has_bs, _interpreting())
-    if has_bs and max(config[0], config[1]) > block_size:
-        raise ValueError(f"config BLOCK_M={config[0]}, BLOCK_N={config[1]} must not exceed "
-                         f"block_size={block_size} for BLOCK_SPARSE heads")
+    bwd_config = bwd_config or _bwd_tile_config(D, q.dtype, block_size, has_bs, _interpreting())
+    for name, cfg in (("config", config), ("bwd_config dk/dv", bwd_config[0]), ("bwd_config dq", bwd_config[1])):
+        if has_bs and max(cfg[0], cfg[1]) > block_size:
+            raise ValueError(f"{name} BLOCK_M={cfg[0]}, BLOCK_N={cfg[1]} must not exceed "
+                             f"block_size={block_size} for BLOCK_SPARSE heads")
     sink, window = min(sink, S), min(window, S)   # beyond S they change nothing; keeps int32 math safe
     o, lse = _FusedHybridAttention.apply(q, k, v, modes.to(torch.int32), sink, window, block_mask,
-                                         block_size, tuple(config))
+                                         block_size, tuple(config), tuple(map(tuple, bwd_config)))
     return (o, lse) if return_lse else o
 
 # -----------------------------------------------------------------------------

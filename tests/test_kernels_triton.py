@@ -290,6 +290,16 @@ def test_gradients_with_several_key_tiles_per_block():
     assert_grads_close_to_reference(q, k, v, modes, 3, 50, bm, 64, seed=4)
 
 
+def test_gradients_with_ds_split_into_two_products(monkeypatch):
+    """The backward's two-product dS path (kernels._split_ds: on for bf16, which the interpreter
+    cannot run) forced on for fp16, every mode in one launch: gradients as the reference's."""
+    monkeypatch.setattr(kernels, "_split_ds", lambda dtype: True)
+    modes = torch.tensor([[STREAMING, BLOCK_SPARSE, FULL]])
+    q, k, v, modes, bm = make_case(1, 3, 2, 75, 32, torch.float16, seed=7, block_size=16, modes=modes)
+    bm |= torch.eye(bm.shape[-1], dtype=torch.bool, device=bm.device)
+    assert_grads_close_to_reference(q, k, v, modes, 5, 21, bm, 16, seed=7)
+
+
 def test_lse_is_an_output_not_a_gradient_path():
     q, k, v, modes, bm = make_case(1, 1, 1, 20, 16, torch.float32, seed=5)
     q.requires_grad_()
