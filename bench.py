@@ -333,6 +333,9 @@ def backward_timings(q, k, v, modes, bm, bs, kind, rec, bwd_cfg=None):
         rec["ours_fb_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(f"  ours forward+backward failed: {rec['ours_fb_error']}")
         return
+    if old_kernels is not None:  # the other kernels module (its own default configs), right after ours
+        run_peer("old_fb", fwd_bwd(lambda q, k, v: old_kernels.fused_hybrid_attention(
+            q, k, v, modes, args.sink, args.window, bm, bs)), g_ours, rec)
     if kind == "hybrid" and not modes.any():
         run_peer("sdpa_fb", fwd_bwd(sdpa_gqa), g_ours, rec)
     else:
@@ -349,12 +352,12 @@ def backward_timings(q, k, v, modes, bm, bs, kind, rec, bwd_cfg=None):
         if split is not None:
             run_peer("split_fb", fwd_bwd(split), g_ours, rec)
         del split
-    for peer in ("flex", "split", "sdpa"):
+    for peer in ("flex", "split", "sdpa", "old"):
         ms = rec.get(f"{peer}_fb_ms")
         rec[f"ours_fb_vs_{peer}"] = ms / rec["ours_fb_ms"] if ms else None
     print(f"  forward+backward S={S} {kind} f={rec['frac']}: ours {rec['ours_fb_ms']:.3f} ms, "
           f"flex {fmt(rec.get('flex_fb_ms'), '.3f')}, split {fmt(rec.get('split_fb_ms'), '.3f')}, "
-          f"sdpa {fmt(rec.get('sdpa_fb_ms'), '.3f')}", flush=True)
+          f"sdpa {fmt(rec.get('sdpa_fb_ms'), '.3f')}, old {fmt(rec.get('old_fb_ms'), '.3f')}", flush=True)
 
 # ----------------------------------------------------------------------------------------------
 # Router training: one step of the training mix, backend "torch" (today's path) vs "triton"
@@ -484,10 +487,8 @@ def bwd_tune(S, perm):
     leaves = [t.requires_grad_() for t in (q, k, v)]
     dkdv0, dq0 = kernels._bwd_tile_config(D, dtype, args.block_size, False, not CUDA)   # the default
     if CUDA:
-        dkdvs = [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3),
-                 (64, 64, 4, 3), (32, 128, 4, 2), (16, 128, 4, 3)]
-        dqs = [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3),
-               (64, 64, 4, 3), (128, 32, 4, 2)]
+        dkdvs = [(32, 128, 4, 3), (32, 128, 8, 3), (32, 64, 4, 3), (64, 128, 8, 4)]
+        dqs = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)]
     else:
         dkdvs, dqs = [(16, 16, 4, 1)], [(16, 16, 4, 1)]
     dkdvs, dqs = [c for c in dkdvs if c != dkdv0], [c for c in dqs if c != dq0]
@@ -770,14 +771,15 @@ def print_backward_table(runs):
         return
     print("\nforward+backward (ms; ratios > 1: ours faster)")
     print("      S  setting  ours fwd  ours f+b  flex f+b  split f+b  sdpa f+b  vs flex  vs split  vs sdpa  "
-          "grad diff flex/split")
+          "grad diff flex/split" + ("  old f+b  vs old" if args.old else ""))
     for r in rows:
         setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
         print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:8.2f}  {r['ours_fb_ms']:8.2f}  "
               f"{fmt(r.get('flex_fb_ms'), '8.2f'):>8}  {fmt(r.get('split_fb_ms'), '9.2f'):>9}  "
               f"{fmt(r.get('sdpa_fb_ms'), '8.2f'):>8}  {fmt(r.get('ours_fb_vs_flex'), '6.2f', 'x'):>7}  "
               f"{fmt(r.get('ours_fb_vs_split'), '7.2f', 'x'):>8}  {fmt(r.get('ours_fb_vs_sdpa'), '6.2f', 'x'):>7}  "
-              f"{fmt(r.get('flex_fb_diff'), '.1e')}/{fmt(r.get('split_fb_diff'), '.1e')}")
+              f"{fmt(r.get('flex_fb_diff'), '.1e')}/{fmt(r.get('split_fb_diff'), '.1e')}"
+              + (f"  {fmt(r.get('old_fb_ms'), '7.2f'):>7}  {fmt(r.get('ours_fb_vs_old'), '5.2f', 'x'):>6}" if args.old else ""))
 
 
 def print_bwd_tune_table(rows, best):

@@ -101,11 +101,14 @@ def _bwd_tile_config(D, dtype, block_size, has_block_sparse, interpret):
     """Backward tiles, one (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, as in
     FlashAttention-2: the dk/dv program holds a tall key tile (BLOCK_N) and streams short query
     tiles (BLOCK_M) past it; the dq program holds a tall query tile (BLOCK_M) and streams short
-    key tiles (BLOCK_N). Short streamed tiles keep the masked diagonal band narrow."""
+    key tiles (BLOCK_N). Short streamed tiles keep the masked diagonal band narrow.
+      - GPU, D <= 128, 16-bit: 8 warps for both. The dk/dv program's two fp32 accumulators
+        (128 keys × D) alone take 256 registers per thread in 4 warps and spilled; in 8 warps the
+        backward runs in less than half the time (RESULTS.md, beside the other configs tried)."""
     if interpret:
         dkdv, dq = (16, 32, 4, 1), (32, 16, 4, 1)
     elif D <= 128 and dtype != torch.float32:
-        dkdv, dq = (32, 128, 4, 3), (128, 32, 4, 3)
+        dkdv, dq = (64, 128, 8, 3), (128, 64, 8, 3)
     else:
         dkdv, dq = (32, 64, 4, 2), (64, 32, 4, 2)
     if has_block_sparse:
