@@ -231,7 +231,8 @@ if _HAS_TRITON:
                      mask=(out_m < nB)[:, None] & (kb < n_kb)[None, :])
 
 
-def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None, *, BLOCK_N=None, num_warps=8):
+def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None, *, BLOCK_M=None, BLOCK_N=None,
+                      num_warps=8):
     """Same contract as xattention_scores_naive (float32 (B, Hkv, nB, nB); lengths (B,) optional),
     by the Triton kernel: no S×S and no (S/T)² matrix, the antidiagonal products computed once. In
     their place a float32 scratch of one log-sum-exp per (query group, key block):
@@ -241,8 +242,9 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
 
     backend: "auto" = Triton on CUDA (not float64), else the naive twin; "reference"; "triton" (on
     CPU only under TRITON_INTERPRET=1, set before triton is imported; fp16/fp32 there, no bf16).
-    BLOCK_N (key groups per score tile, default max(128, g); a power of two, >= 16 and >= g) and
-    num_warps are exposed for timing; they change no result beyond summation order.
+    BLOCK_M (query groups per program, default max(16, g)), BLOCK_N (key groups per score tile,
+    default max(128, g)), each a power of two >= 16 and >= g, and num_warps are exposed for timing;
+    they change no result beyond summation order. A program's score tile is G·BLOCK_M × BLOCK_N.
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
     check_xattention_backend(backend)
@@ -252,9 +254,11 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
         # key groups per score tile: >= 16 for tl.dot, and whole blocks; wide tiles reuse each Q load
         # more (128 with 8 warps was the fastest on an H200, RESULTS.md).
         BLOCK_N = max(128, g)
-    if isinstance(BLOCK_N, bool) or not isinstance(BLOCK_N, int) or BLOCK_N < max(16, g) \
-            or BLOCK_N & (BLOCK_N - 1):
-        raise ValueError(f"BLOCK_N must be a power of two >= max(16, g={g}), got {BLOCK_N!r}")
+    # query groups per program: tl.dot wants >= 16 rows, and whole blocks
+    BLOCK_M = max(16, g) if BLOCK_M is None else BLOCK_M
+    for name, value in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < max(16, g) or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= max(16, g={g}), got {value!r}")
     if backend == "auto":
         backend = "triton" if q.is_cuda and _HAS_TRITON and q.dtype != torch.float64 else "reference"
     if backend == "reference":
@@ -269,7 +273,6 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
     G = Hq // Hkv
     nB = num_blocks(S, block_size)
     nG = nB * g
-    BLOCK_M = max(16, g)   # query groups per program: tl.dot wants >= 16 rows, and whole blocks
     out = torch.zeros(B, Hkv, nB, nB, device=q.device, dtype=torch.float32)  # tiles above the diagonal stay 0
     blk_lse = torch.empty(B, Hq, nG, nB, device=q.device, dtype=torch.float32)  # scratch, see above
     qk_scale = 1.44269504 / (math.sqrt(D) * stride)   # 1/(√D·T), times 1/ln 2 because we use exp2

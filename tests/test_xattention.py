@@ -160,6 +160,19 @@ def test_triton_scores_narrow_tiles(BLOCK_N):
 
 
 @needs_triton
+@pytest.mark.parametrize("BLOCK_M, lens", [(32, None), (64, [300, 131])])
+def test_triton_scores_tall_tiles(BLOCK_M, lens):
+    """Several query blocks per program (BLOCK_M query groups, 4 or 8 blocks of g = 8 here): the
+    read-back sums each block's groups apart; a program's last rows past S count nothing, G = 3."""
+    q, k = random_qk(2 if lens else 1, 1, 3, 300, 16, seed=9, device=TRITON_DEVICE)
+    lengths = torch.tensor(lens) if lens else None
+    got = xattention.xattention_scores(q, k, 32, 4, backend="triton", BLOCK_M=BLOCK_M, BLOCK_N=16,
+                                       lengths=None if lens is None else lengths.to(TRITON_DEVICE))
+    want = xattention.xattention_scores_naive(q, k, 32, 4, lengths=lengths)
+    assert_close(got, want, what=f"BLOCK_M={BLOCK_M}", **triton_tol(torch.float32, TRITON_DEVICE))
+
+
+@needs_triton
 def test_triton_scores_sharp_logits():
     """Logits in the hundreds (log2 units): blocks far below the row's best, whole key blocks in a
     row's future (all -inf) next to seen ones, a running max that jumps. No overflow, no NaN."""
@@ -435,6 +448,8 @@ def test_bad_input_scores_and_select():
     for bad in (8, 48, 16.0):   # tl.dot needs >= 16; a power of two; an int
         with pytest.raises(ValueError, match="BLOCK_N"):
             xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_N=bad)
+        with pytest.raises(ValueError, match="BLOCK_M"):
+            xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_M=bad)
     with pytest.raises(ValueError, match="block_scores"):
         xattention.xattention_select(torch.rand(1, 1, 3, 4), 0.9)
     with pytest.raises(ValueError, match="threshold"):
