@@ -242,9 +242,10 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
 
     backend: "auto" = Triton on CUDA (not float64), else the naive twin; "reference"; "triton" (on
     CPU only under TRITON_INTERPRET=1, set before triton is imported; fp16/fp32 there, no bf16).
-    BLOCK_M (query groups per program, default max(16, g)), BLOCK_N (key groups per score tile,
-    default max(128, g)), each a power of two >= 16 and >= g, and num_warps are exposed for timing;
-    they change no result beyond summation order. A program's score tile is G·BLOCK_M × BLOCK_N.
+    BLOCK_M (query groups per program, default: a score tile of 128 rows, G_PAD·BLOCK_M, where
+    G_PAD is G rounded up to a power of two), BLOCK_N (key groups per score tile, default
+    max(128, g)), each a power of two >= 16 and >= g, and num_warps are exposed for timing; they
+    change no result beyond summation order.
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
     check_xattention_backend(backend)
@@ -254,8 +255,15 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
         # key groups per score tile: >= 16 for tl.dot, and whole blocks; wide tiles reuse each Q load
         # more (128 with 8 warps was the fastest on an H200, RESULTS.md).
         BLOCK_N = max(128, g)
-    # query groups per program: tl.dot wants >= 16 rows, and whole blocks
-    BLOCK_M = max(16, g) if BLOCK_M is None else BLOCK_M
+    G_PAD = 1 << (Hq // Hkv - 1).bit_length()                       # G rounded up to a power of two
+    nG = num_blocks(S, block_size) * g
+    if BLOCK_M is None:
+        # query groups per program: tl.dot wants >= 16 rows, and whole blocks. Taller score tiles
+        # (G_PAD·BLOCK_M rows, up to 128; 256 do not fit in shared memory at D = 128) load each K
+        # tile for more scores, as long as the grid keeps >= 1024 programs to fill the GPU.
+        BLOCK_M = max(16, g)
+        while G_PAD * BLOCK_M < 128 and B * Hkv * math.ceil(nG / (2 * BLOCK_M)) >= 1024:
+            BLOCK_M *= 2
     for name, value in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N)):
         if isinstance(value, bool) or not isinstance(value, int) or value < max(16, g) or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= max(16, g={g}), got {value!r}")
@@ -272,7 +280,6 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
 
     G = Hq // Hkv
     nB = num_blocks(S, block_size)
-    nG = nB * g
     out = torch.zeros(B, Hkv, nB, nB, device=q.device, dtype=torch.float32)  # tiles above the diagonal stay 0
     blk_lse = torch.empty(B, Hq, nG, nB, device=q.device, dtype=torch.float32)  # scratch, see above
     qk_scale = 1.44269504 / (math.sqrt(D) * stride)   # 1/(√D·T), times 1/ln 2 because we use exp2
@@ -287,7 +294,7 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
         seq_lens, D, Hkv, nB,
         *q.stride(), *k.stride(), *out.stride(), *blk_lse.stride(),
         qk_scale,
-        T=stride, GROUPS_PER_BLOCK=g, G=G, G_PAD=triton.next_power_of_2(G),
+        T=stride, GROUPS_PER_BLOCK=g, G=G, G_PAD=G_PAD,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
         READ_N=BLOCK_N,   # key blocks per read-back step: a tile as large as the score tile
         num_warps=num_warps, num_stages=num_stages,
