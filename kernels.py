@@ -146,8 +146,9 @@ def _dot_precision(dtype):
 
 def _split_ds(dtype):
     """Whether the backward multiplies dS into dq and dk as two 16-bit products, dS rounded plus
-    its rounding remainder. bf16 keeps 8 bits of dS, whose rounding alone would double dq's error
-    against torch's attention (which keeps dS in fp32); fp16 keeps 11 bits, fp32 needs no split."""
+    its rounding remainder: one more tile product in each backward kernel. bf16 keeps 8 bits of dS,
+    and that rounding alone can double dq's error against the exact gradient, past twice torch
+    SDPA's bf16 error; fp16 keeps 11 bits, and fp32 needs no split."""
     return dtype == torch.bfloat16
 
 
