@@ -474,11 +474,11 @@ def tune(S, perm):
     return rows
 
 
-
 def bwd_tune(S, perm):
     """Backward alone (dq, dk, dv from a saved forward) for several (dk/dv, dq) tile configs, each
-    (BLOCK_M, BLOCK_N, num_warps, num_stages): first the dk/dv config varied with the dq config held,
-    then the dq config, then the best of each together. With --old, that module's backward too."""
+    (BLOCK_M, BLOCK_N, num_warps, num_stages), around kernels._bwd_tile_config's (RESULTS.md has the
+    wider sweep that chose it): first the dk/dv config varied with the dq config held, then the dq
+    config, then the best of each together. With --old, that module's backward too."""
     gen = torch.Generator().manual_seed(args.seed)
     q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)
     k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
