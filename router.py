@@ -88,6 +88,13 @@ def prob_nonzero(log_alpha):
     return torch.sigmoid(log_alpha + _SHIFT)
 
 
+def prob_gradient(log_alpha):
+    """P(0 < z̃ < 1) = 1 − P(z̃ = 0) − P(z̃ = 1): the share of draws whose z̃ passes a gradient to
+    log α (a clamped z̃ passes none). It falls like e^−|log α| once |log α| > ~2: a router whose
+    logits run far from 0 stops learning, whatever its loss says (RESULTS.md, SmolLM2)."""
+    return 1.0 - prob_zero(log_alpha) - prob_one(log_alpha)
+
+
 def prob_full(log_alpha):
     """P(z = 1[z̃ > 0.5] = FULL) = σ(log α) exactly.
 

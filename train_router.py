@@ -108,6 +108,9 @@ g.add_argument("--static-steps", type=int, help="steps of the trained static gat
 g.add_argument("--static-lr", type=float, help="the trained static gates' peak learning rate (one logit "
                                              "per head: it needs a larger one than an MLP)")
 g.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
+g.add_argument("--logit-penalty", type=float, default=0.0,
+               help="μ of a μ·mean(log α²) term for the routers (default 0): keeps their logits where the "
+                    "hard-concrete gate still passes gradient")
 g.add_argument("--targets", default=f"{router_lib.SENSITIVE_TARGET},{router_lib.ROBUST_TARGET}",
                help="Ω_MSR targets 'sensitive,robust' (default 0.7,1.0)")
 g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
@@ -170,6 +173,7 @@ for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_ta
         P[key] = getattr(args, key)
 P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
 P["data_workers"] = args.data_workers
+P["logit_penalty"] = args.logit_penalty
 if args.seq_len is not None and "eval_seq_lens" in P:
     P["eval_seq_lens"] = (args.seq_len, 2 * args.seq_len)
 if P["curve_points"] < 2:
@@ -177,6 +181,8 @@ if P["curve_points"] < 2:
 for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len"):
     if getattr(args, key) is not None and getattr(args, key) < 1:
         fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+if not (math.isfinite(args.logit_penalty) and args.logit_penalty >= 0):
+    fail(f"--logit-penalty must be a finite number >= 0, got {args.logit_penalty}")
 if args.data_workers is not None and args.data_workers < 0:
     fail(f"--data-workers must be >= 0, got {args.data_workers}")
 for key in ("router_lr", "static_lr", "lambda_lr"):
@@ -400,7 +406,8 @@ log(f"backbone: {backbone_source}")
 
 settings = dict(config=asdict(cfg), seed=args.seed, steps=P["steps"], batch_size=B, router_lr=P["router_lr"],
                 static_steps=P["static_steps"], static_lr=P["static_lr"], lambda_lr=P["lambda_lr"],
-                targets=[t_sens, t_rob], gate=args.gate, abs_lagrangian=args.abs_lagrangian)
+                targets=[t_sens, t_rob], gate=args.gate, abs_lagrangian=args.abs_lagrangian,
+                logit_penalty=P["logit_penalty"])
 rank_diff = {}     # under DDP: the largest difference of the trained parameters between ranks
 interrupted = []   # Ctrl-C sets a flag; the step in flight finishes, then the run saves and exits
 
@@ -452,7 +459,7 @@ def train_gates(static, targets, path, resume=None):
 
     sens = torch.tensor([t.category == "sensitive" for t in TASKS], device=device)
     signal.signal(signal.SIGINT, on_ctrl_c)
-    log("step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | lr | ms")
+    log("step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | gate draws passing gradient | lr | ms")
     bar = tqdm(range(start, steps), desc="static gates" if static else "routers", mininterval=2,
                initial=start, total=steps, disable=not main)
     t0 = time.time()
@@ -466,7 +473,10 @@ def train_gates(static, targets, path, resume=None):
                                   gate_noise=noise)
         lm = answer_loss(logits, b["targets"], n_answer)
         reg = lagrangian(info["omega_msr"], b["task_ids"], task_counts)
+        log_alpha = torch.stack(info["log_alpha"])                            # (L, B / world, Hkv)
         loss = lm + reg
+        if P["logit_penalty"] and not static:  # μ · mean log α² over the global batch: keeps the gates learning
+            loss = loss + P["logit_penalty"] * log_alpha.pow(2).sum() / (B * cfg.n_layers * cfg.n_kv_heads)
         optimizer.zero_grad(set_to_none=True)
         (loss * world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
         if ddp:  # λ lives outside the DDP module: average its gradient over the ranks the same way
@@ -477,11 +487,13 @@ def train_gates(static, targets, path, resume=None):
         scheduler.step()
         # Log: one host sync for the whole line. Ω per category over this rank's shard.
         omega, is_sens, lam = info["omega_msr"].detach(), sens[b["task_ids"]].float(), lagrangian.lambda1.detach()
-        logged = torch.stack([loss * world, lm * world, reg * world,
+        active = router_lib.prob_gradient(log_alpha.detach()).mean() if cfg.gate == "hard-concrete" else \
+            torch.ones((), device=device)  # share of this shard's gate draws passing gradient (Gumbel: all)
+        logged = torch.stack([loss * world, lm * world, reg * world, active,
                               (omega * is_sens).sum() / is_sens.sum(), (omega * (1 - is_sens)).sum() / (1 - is_sens).sum(),
                               lam[sens].mean(), lam[~sens].mean()]).tolist()
-        row = dict(step=step, **dict(zip(("loss", "lm", "reg", "omega_sensitive", "omega_robust",
-                                          "lambda1_sensitive", "lambda1_robust"), logged)),
+        row = dict(step=step, **dict(zip(("loss", "lm", "reg", "gate_active", "omega_sensitive",
+                                          "omega_robust", "lambda1_sensitive", "lambda1_robust"), logged)),
                    lr=scheduler.get_last_lr()[0], ms=1000 * (time.time() - t0))  # wall time, data waits included
         t0 = time.time()
         train_log.append(row)
@@ -489,7 +501,8 @@ def train_gates(static, targets, path, resume=None):
         if main and (step % 100 == 0 or step == steps - 1):
             tqdm.write(f"{step:4d} | {row['loss']:.4f} | {row['lm']:.4f} | {row['reg']:+.4f} | "
                        f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f} | "
-                       f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['lr']:.1e} | "
+                       f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['gate_active']:.3f} | "
+                       f"{row['lr']:.1e} | "
                        f"{row['ms']:.0f}")
         if step % 50 == 49:
             save()

@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 import router
 from router import (AttentionRouter, SparsityLagrangian, boundary_pool, build_optimizer,
                     deterministic_gate, freeze_backbone, gumbel_softmax_gate, hard_concrete_gate,
-                    hard_concrete_sample, omega_msr, prob_full, prob_nonzero, prob_one, prob_zero)
+                    hard_concrete_sample, omega_msr, prob_full, prob_gradient, prob_nonzero, prob_one,
+                    prob_zero)
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -59,10 +60,24 @@ def test_empirical_probabilities_match_closed_forms(la, restore_rng):
     assert torch.equal(torch.random.get_rng_state(), before), "a seeded generator must leave the global RNG alone"
     t = torch.tensor(la)
     for name, hits, p in (("P(z̃=0)", z_soft == 0, prob_zero(t)), ("P(z̃=1)", z_soft == 1, prob_one(t)),
-                          ("P(z̃>0)", z_soft > 0, prob_nonzero(t)), ("P(hard=FULL)", z == 1, prob_full(t))):
+                          ("P(z̃>0)", z_soft > 0, prob_nonzero(t)), ("P(hard=FULL)", z == 1, prob_full(t)),
+                          ("P(0<z̃<1)", (z_soft > 0) & (z_soft < 1), prob_gradient(t))):
         emp, p = hits.double().mean().item(), p.item()
         sd = math.sqrt(p * (1 - p) / n)
         assert abs(emp - p) < 5 * sd, f"log α={la}: {name} empirical {emp:.5f} vs closed form {p:.5f} (sd {sd:.5f})"
+
+
+def test_gradient_passes_exactly_where_the_sample_is_not_clamped():
+    """∂z̃/∂log α is nonzero on the draws with 0 < z̃ < 1 and zero on the clamped ones; their share
+    is prob_gradient, which all but vanishes for a saturated logit (|log α| = 47 in a real run)."""
+    gen = torch.Generator().manual_seed(7)
+    log_alpha = torch.full((20_000,), 2.5, requires_grad=True)
+    z_soft = hard_concrete_sample(log_alpha, generator=gen)
+    (grad,) = torch.autograd.grad(z_soft.sum(), log_alpha)
+    inside = (z_soft > 0) & (z_soft < 1)
+    assert inside.any() and (~inside).any()
+    assert (grad[inside] > 0).all() and (grad[~inside] == 0).all()
+    assert prob_gradient(torch.tensor(47.0)).item() < 1e-19 < prob_gradient(torch.tensor(3.0)).item()
 
 
 def test_gate_convention_one_is_full():
