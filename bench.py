@@ -265,6 +265,11 @@ def max_diff(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
+def setting_name(r):
+    """A result row's setting as the tables print it: the streaming fraction, or block-sparse."""
+    return f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+
+
 def fmt(x, spec, suffix=""):
     return "-" if x is None else format(x, spec) + suffix
 
@@ -765,7 +770,7 @@ def print_backward_table(runs):
     if not CUDA:
         print("\nforward+backward, CPU smoke test: max |gradient difference| from ours")
         for r in rows:
-            setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+            setting = setting_name(r)
             print(f"{r['S']:>7}  {setting:>7}  flex {fmt(r.get('flex_fb_diff'), '.1e')}  "
                   f"split {fmt(r.get('split_fb_diff'), '.1e')}  sdpa {fmt(r.get('sdpa_fb_diff'), '.1e')}")
         return
@@ -773,7 +778,7 @@ def print_backward_table(runs):
     print("      S  setting  ours fwd  ours f+b  flex f+b  split f+b  sdpa f+b  vs flex  vs split  vs sdpa  "
           "grad diff flex/split" + ("  old f+b  vs old" if args.old else ""))
     for r in rows:
-        setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+        setting = setting_name(r)
         print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:8.2f}  {r['ours_fb_ms']:8.2f}  "
               f"{fmt(r.get('flex_fb_ms'), '8.2f'):>8}  {fmt(r.get('split_fb_ms'), '9.2f'):>9}  "
               f"{fmt(r.get('sdpa_fb_ms'), '8.2f'):>8}  {fmt(r.get('ours_fb_vs_flex'), '6.2f', 'x'):>7}  "
@@ -817,20 +822,20 @@ def print_table(runs):
         print("\nCPU smoke test (not a speed measurement): every path ran; max |difference| from ours")
         print("      S  setting  flex diff  split diff  old diff")
         for r in runs:
-            setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+            setting = setting_name(r)
             print(f"{r['S']:>7}  {setting:>7}  {fmt(r.get('flex_diff'), '9.1e'):>9}  "
                   f"{fmt(r.get('split_diff'), '10.1e'):>10}  {fmt(r.get('old_diff'), '8.1e'):>8}")
         return
     if any(r.get("old_ms") for r in runs):
         print("\n      S  setting  ours ms  old ms  old/ours")
         for r in runs:
-            setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+            setting = setting_name(r)
             print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:7.2f}  {fmt(r.get('old_ms'), '6.2f'):>6}  "
                   f"{fmt(r.get('ours_vs_old'), '7.3f', 'x'):>8}")
     print("\n      S  setting  ours ms  TF/s  flex ms  split ms  sdpa ms  vs flex  vs split  vs sdpa  "
           "ideal  of ideal  diff flex/split")
     for r in runs:
-        setting = f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+        setting = setting_name(r)
         print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:>7.2f}  {fmt(r.get('ours_tflops'), '4.0f')}  "
               f"{fmt(r.get('flex_ms'), '7.2f')}  {fmt(r.get('split_ms'), '8.2f')}  {r['sdpa_ms']:>7.2f}  "
               f"{fmt(r.get('ours_vs_flex'), '6.2f', 'x'):>7}  {fmt(r.get('ours_vs_split'), '7.2f', 'x'):>8}  "

@@ -712,6 +712,12 @@ def uniform_modes(model, batch_size, mode):
     return [torch.full((batch_size, c.n_kv_heads), mode, dtype=torch.int32) for _ in range(c.n_layers)]
 
 
+def answer_text(tokenizer, new_ids):
+    """Generated token ids (a 1-D tensor) as text, up to the end-of-turn token."""
+    new = new_ids.tolist()
+    return tokenizer.decode(new[:new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new)
+
+
 @torch.no_grad()
 def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
     """Greedy answers, one row at a time (rows differ in prompt length): a list of dicts with the
@@ -722,12 +728,9 @@ def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
         prompt = batch["tokens"][b:b + 1, :P].to(model.lm_head.weight.device)
         row_modes = None if modes is None else [m[b:b + 1].to(prompt.device) for m in modes]
         seq, _ = model.generate(prompt, max_new_tokens, modes=row_modes)
-        new = seq[0, P:].tolist()
-        if tokenizer.eos_id in new:
-            new = new[:new.index(tokenizer.eos_id)]
         want = batch["targets"][b][batch["targets"][b] != IGNORE]
         out.append(dict(task=TASKS[int(batch["task_ids"][b])].name, expected=tokenizer.decode(want),
-                        answer=tokenizer.decode(new)))
+                        answer=answer_text(tokenizer, seq[0, P:])))
     return out
 
 # -----------------------------------------------------------------------------
@@ -758,12 +761,9 @@ def route_prompt(model, tokenizer, text, max_new_tokens=48):
     ids = torch.tensor([tokenizer.encode(tokenizer.chat_text(text))], device=device)  # (1, S)
     model.eval()  # deterministic routing: z = 1 (FULL) where log α > 0
     seq, info = model.generate(ids, max_new_tokens)
-    new = seq[0, ids.shape[1]:].tolist()
-    if tokenizer.eos_id in new:
-        new = new[:new.index(tokenizer.eos_id)]
     full = torch.stack([z[0] for z in info["z"]]) > 0.5                        # (L, Hkv)
     return dict(full=full.cpu(), omega_msr=float(info["omega_msr"][0]), omega_esr=float(info["omega_esr"][0]),
-                answer=tokenizer.decode(new), tokens=ids.shape[1])
+                answer=answer_text(tokenizer, seq[0, ids.shape[1]:]), tokens=ids.shape[1])
 
 
 if __name__ == "__main__":

@@ -502,8 +502,7 @@ def train_gates(static, targets, path, resume=None):
             tqdm.write(f"{step:4d} | {row['loss']:.4f} | {row['lm']:.4f} | {row['reg']:+.4f} | "
                        f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f} | "
                        f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['gate_active']:.3f} | "
-                       f"{row['lr']:.1e} | "
-                       f"{row['ms']:.0f}")
+                       f"{row['lr']:.1e} | {row['ms']:.0f}")
         if step % 50 == 49:
             save()
         stop = torch.tensor([float(bool(interrupted))], device=device)
