@@ -456,7 +456,7 @@ def tune(S, perm):
     q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)
     k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
     v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
-    configs = [None, (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)] \
+    configs = [None, (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)] \
         if CUDA else [None, (32, 32, 4, 1)]
     rows = []
     for frac in (0.0, 0.75):

@@ -78,9 +78,9 @@ def resolve_backend(backend, dtype, head_dim, block_size, has_block_mask, on_cud
 
 def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
     """Forward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), fixed (no autotuning):
-      - GPU, D <= 128, 16-bit: 128×64 tiles in 8 warps, i.e. two warpgroups of 64 query rows for
-        Hopper's wgmma, with 4 stages of K/V prefetch (~160 KB of shared memory at D = 128).
-        Larger or smaller tiles and 3 stages were no faster (RESULTS.md).
+      - GPU, D <= 128, 16-bit: 128×128 tiles in 8 warps (two warpgroups of 64 query rows for Hopper's
+        wgmma), 3 stages of K/V prefetch: 224 KB of shared memory at D = 128, under the 227 KB limit.
+        Other tiles and stages, TMA descriptors, persistent programs: no faster (RESULTS.md).
       - D > 128 or fp32: the fp32 accumulator (BLOCK_M × D) and the K/V tiles double, so halve the tiles.
       - Interpreter: small tiles, so that short test sequences still cross several tiles and every
         edge case (partial sink / window / diagonal tiles) is exercised.
@@ -89,7 +89,7 @@ def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
     if interpret:
         bm, bn, warps, stages = 32, 16, 4, 1
     elif D <= 128 and dtype != torch.float32:
-        bm, bn, warps, stages = 128, 64, 8, 4
+        bm, bn, warps, stages = 128, 128, 8, 3
     else:
         bm, bn, warps, stages = 64, 32, 4, 2
     if has_block_sparse:
