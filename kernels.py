@@ -16,6 +16,7 @@ where every (query, key) pair of a tile is visible, and evaluates the token-exac
     j <= i and (j < sink or i - j < window)
 only on the edge tiles (FULL and BLOCK_SPARSE heads pass sink = 0 and a window longer than S).
 """
+import functools
 import math
 import os  # TRITON_INTERPRET=1 switches the kernels to Triton's CPU interpreter
 
@@ -76,11 +77,19 @@ def resolve_backend(backend, dtype, head_dim, block_size, has_block_mask, on_cud
 # -----------------------------------------------------------------------------
 # 2. Host side of the kernel: tile sizes and block lists.
 
-def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device_index):
+    """Shared memory one program may use on this CUDA device, in bytes (227 KB on an H100/H200)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def _tile_config(D, dtype, block_size, has_block_sparse, interpret, shared_memory=None):
     """Forward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), fixed (no autotuning):
       - GPU, D <= 128, 16-bit: 128×128 tiles in 8 warps (two warpgroups of 64 query rows for Hopper's
-        wgmma), 3 stages of K/V prefetch: 224 KB of shared memory at D = 128, under the 227 KB limit.
-        Other tiles and stages, TMA descriptors, persistent programs: no faster (RESULTS.md).
+        wgmma), 3 stages of K/V prefetch: 224 KB of shared memory at D = 128, under Hopper's 227 KB.
+        Other tiles and stages, TMA descriptors, persistent programs: no faster (RESULTS.md). A card
+        with less shared memory (an A100 has 163 KB) gets 128×64 tiles and 4 stages (160 KB).
+        shared_memory: the device's limit in bytes (_shared_memory); None = no limit.
       - D > 128 or fp32: the fp32 accumulator (BLOCK_M × D) and the K/V tiles double, so halve the tiles.
       - Interpreter: small tiles, so that short test sequences still cross several tiles and every
         edge case (partial sink / window / diagonal tiles) is exercised.
@@ -89,7 +98,8 @@ def _tile_config(D, dtype, block_size, has_block_sparse, interpret):
     if interpret:
         bm, bn, warps, stages = 32, 16, 4, 1
     elif D <= 128 and dtype != torch.float32:
-        bm, bn, warps, stages = 128, 128, 8, 3
+        big = shared_memory is None or shared_memory >= 224 * 1024
+        bm, bn, warps, stages = (128, 128, 8, 3) if big else (128, 64, 8, 4)
     else:
         bm, bn, warps, stages = 64, 32, 4, 2
     if has_block_sparse:
@@ -799,7 +809,8 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
     check_modes(modes, B, Hkv, device=q.device)
     check_block_mask(block_mask, modes, S, block_size)
     has_bs = block_mask is not None
-    config = config or _tile_config(D, q.dtype, block_size, has_bs, _interpreting())
+    smem = _shared_memory(q.device.index) if q.is_cuda and not _interpreting() else None
+    config = config or _tile_config(D, q.dtype, block_size, has_bs, _interpreting(), smem)
     bwd_config = bwd_config or _bwd_tile_config(D, q.dtype, block_size, has_bs, _interpreting())
     for name, cfg in (("config", config), ("bwd_config dk/dv", bwd_config[0]), ("bwd_config dq", bwd_config[1])):
         if has_bs and max(cfg[0], cfg[1]) > block_size:

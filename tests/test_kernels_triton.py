@@ -126,6 +126,19 @@ def test_streaming_sweep_around_tile_edges():
             assert_close_to_reference(out, q, k, v, modes, sink, window, None, 64)
 
 
+def test_forward_tiles_fit_the_cards_shared_memory():
+    """The 128×128, 3-stage forward tile needs 224 KB of shared memory (Hopper has 227 KB); a card
+    with less (an A100: 163 KB) gets the 128×64, 4-stage tile, and block-sparse heads cap both."""
+    bf16 = torch.bfloat16
+    assert kernels._tile_config(128, bf16, 128, False, False, 232448) == (128, 128, 8, 3)
+    assert kernels._tile_config(128, bf16, 128, False, False, 166912) == (128, 64, 8, 4)
+    assert kernels._tile_config(128, bf16, 64, True, False, 166912) == (64, 64, 8, 4)
+    if CUDA:   # the tile chosen from this card's limit compiles and runs (no out-of-resources error)
+        q, k, v, modes, _ = make_case(1, 2, 1, 300, 128, bf16, seed=3, modes=torch.tensor([[FULL, STREAMING]]))
+        out = kernels.fused_hybrid_attention(q, k, v, modes, 16, 64)
+        assert_close_to_reference(out, q, k, v, modes, 16, 64, None, 64)
+
+
 def test_window_or_sink_covering_everything_is_full_attention():
     q, k, v, _, _ = make_case(1, 2, 1, 77, 16, torch.float32, seed=2)
     full = kernels.fused_hybrid_attention(q, k, v, torch.full((1, 2), FULL, device=DEVICE), 0, 1)
