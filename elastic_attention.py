@@ -78,6 +78,7 @@ class Config:
     # Router (METHOD.md §4).
     router_hidden_mult: int = 4    # MLP hidden = 4·D (Table 3: ×2…×8 all within noise)
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
+    pool_skip: int = 0             # leading tokens every prompt shares (a chat system turn): not pooled
     gate: str = "hard-concrete"    # training gate (METHOD.md §5); "gumbel" = the paper's Gumbel-softmax
     # Which attention code runs (kernels.hybrid_attention): "auto" = the Triton kernel on CUDA when it
     # supports the call, PyTorch otherwise; "torch"; "triton" (on a CPU: TRITON_INTERPRET=1); "reference".
@@ -322,7 +323,7 @@ class Attention(nn.Module):
         if z is None:  # given modes: a head is sparse iff it runs this configuration's sparse mode
             z = (modes != sparse_mode).to(q.dtype)                                             # (B, Hkv)
         out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)                  # (B, S, Hq·D)
-        record = dict(z=z, modes=modes, log_alpha=log_alpha, block_mask=block_mask, k=k, v=v)
+        record = dict(z=z, modes=modes, log_alpha=log_alpha, block_mask=block_mask, k=k, v=v, k_pre=k_pre)
         return self.o_proj(out), record
 
 
@@ -375,7 +376,7 @@ class Transformer(nn.Module):
         params = []
         for layer in self.layers:
             r = router_lib.StaticGate(c.n_kv_heads) if static else \
-                router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens)
+                router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens, c.pool_skip)
             layer.self_attn.router = r.to(self.lm_head.weight.device)
             params += list(r.parameters())
         return params
@@ -607,7 +608,8 @@ def from_pretrained_hf(directory, **config_overrides):
 FREE_FIELDS = ("sink", "window", "max_seq_len", "backend", "gate")
 # What routers learned depends on these, so they must match when the checkpoint holds routers; a
 # dense backbone runs every head FULL whatever they are, so it may be loaded under any of them.
-ROUTER_FIELDS = ("head_config", "block_size", "xa_stride", "xa_threshold", "pool_tokens", "router_hidden_mult")
+ROUTER_FIELDS = ("head_config", "block_size", "xa_stride", "xa_threshold", "pool_tokens", "pool_skip",
+                 "router_hidden_mult")
 
 
 def save_checkpoint(path, model, **extra):

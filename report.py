@@ -16,8 +16,13 @@ import statistics
 
 import torch
 
+# Fixed head sets are deployed at Elastic's mean Ω_MSR over the evaluation mix; the oracle picks one
+# set per category with the task label; the swap control runs sensitive inputs with a robust input's
+# routing.
 METHODS = [("dense", "dense"), ("elastic", "Elastic"), ("static", "static score"),
-           ("static_trained", "static trained"), ("all_sparse", "all sparse")]
+           ("static_trained", "static trained"), ("router_set", "Elastic's set"), ("oracle", "oracle by cat."),
+           ("swap", "swap control"), ("all_sparse", "all sparse")]
+RANKINGS = {"score": "retrieval score", "router_set": "routers' FULL rate", "static_trained": "trained static gate"}
 
 
 def hardware(device):
@@ -68,9 +73,18 @@ def table(runs):
         if "@" in key and key.startswith("dense@"):   # a longer evaluation length: its own block
             lines.append(f"evaluated at {key.split('@')[1]} tokens:")
         cells = "".join(f"{_fmt(metrics[t], [r['results'][key][t]['score'] for r in runs], [r['results'][key][t]['omega_msr'] for r in runs]):<{width - 1}} "
-                        for t in tasks)
+                        if t in first["results"][key] else " " * width for t in tasks)
         esr = statistics.mean(statistics.mean(v["omega_esr"] for v in r["results"][key].values()) for r in runs)
         lines.append(f"{dict(METHODS)[key.split('@')[0]]:<15}{cells}{esr:.2f}")
+    if "gate_share_end" in first:
+        def ms(values, digits=2):
+            return f"{values[0]:.{digits}f}" if len(values) == 1 else \
+                f"{statistics.mean(values):.{digits}f}±{statistics.stdev(values):.{digits}f}"
+        lines.append(f"sensitive target {ms([r['calibration']['sensitive_target'] for r in runs])}; gate draws "
+                     f"passing gradient, last tenth of training {ms([r['gate_share_end'] for r in runs])}")
+        lines.append("Ω_MSR in training vs deployed: " + ", ".join(
+            f"{c} {ms([r['omega_train_vs_deployed'][c]['train'] for r in runs])} vs "
+            f"{ms([r['omega_train_vs_deployed'][c]['deployed'] for r in runs])}" for c in ("sensitive", "robust")))
     return "\n".join(lines)
 
 
@@ -91,6 +105,7 @@ def plots(summary, out_dir):
         return
     res, tasks, cats, metrics = summary["results"], list(summary["tasks"]), summary["tasks"], summary["metrics"]
     targets = dict(zip(("sensitive", "robust"), summary["settings"]["targets"]))
+    targets["sensitive"] = summary.get("calibration", {}).get("sensitive_target", targets["sensitive"])  # 'auto
     title = f"{summary['preset']} {summary['settings']['config']['head_config']}, seed {summary['seed']}"
 
     # 1. Which heads each task keeps FULL (paper Fig. 6).
@@ -127,36 +142,40 @@ def plots(summary, out_dir):
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(os.path.join(out_dir, "omega_per_task.png"), dpi=110)
 
-    # 3. Progressive sparsification (paper Fig. 2 / Table 5) with the operating points of Elastic
-    # and both static baselines: does the router beat a static choice at equal Ω_MSR?
-    curve = summary["progressive"][str(summary["experiment"]["seq_len"])]
-    xs = [float(k) for k in curve]
-
-    def rel(t, value):  # relative to dense; NLL inverted so that 1 = as good as dense, lower = worse
-        dense = res["dense"][t]["score"]
-        return dense / value if metrics[t] == "nll" else value / max(dense, 1e-9)
-
-    groups = [c for c in ("sensitive", "robust") if any(cats[t] == c for t in tasks)]
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 3.8), squeeze=False, sharey=True,
-                             constrained_layout=True)
-    markers = "osD^v"
-    for ax, group in zip(axes[0], groups):
-        for i, t in enumerate(t for t in tasks if cats[t] == group):
-            color = f"C{tasks.index(t)}"
-            ax.plot(xs, [rel(t, curve[k][t]) for k in curve], color=color, marker=markers[i % 5], ms=4,
-                    ls=["-", "--", ":", "-."][i % 4], lw=1.2, label=f"{t}: static by retrieval score")
-            ax.plot(res["elastic"][t]["omega_msr"], rel(t, res["elastic"][t]["score"]), marker="*", ms=14,
-                    color=color, mec="k", ls="none", label=f"{t}: Elastic")
-            if "static_trained" in res:
-                ax.plot(res["static_trained"][t]["omega_msr"], rel(t, res["static_trained"][t]["score"]),
-                        marker="X", ms=10, color=color, mec="k", ls="none", label=f"{t}: trained static")
-        ax.set_title(f"{group} tasks", fontsize=10)
+    # 3. Accuracy against Ω_MSR (paper Fig. 2 / Table 5), one panel per task: the static frontiers
+    # (one head set for every input, by three rankings) as curves, Elastic and the per-category
+    # oracle as points. Elastic should sit above every curve at its own Ω.
+    curves = summary["progressive"][str(summary["experiment"]["seq_len"])]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.3 * len(tasks), 3.4), squeeze=False, constrained_layout=True)
+    for ax, t in zip(axes[0], tasks):
+        for j, (name, curve) in enumerate(curves.items()):
+            xs = [float(k) for k in curve]
+            scale = 1 if metrics[t] == "nll" else 100
+            ax.plot(xs, [scale * curve[k][t] for k in curve], color=f"C{j}", marker="o", ms=3, lw=1.2,
+                    label=f"static by {RANKINGS.get(name, name)}")
+        for key, marker, label in (("elastic", "*", "Elastic"), ("oracle", "D", "oracle per category")):
+            if key in res:
+                ax.plot(res[key][t]["omega_msr"], scale * res[key][t]["score"], marker=marker, ms=12 if marker == "*" else 7,
+                        color="k" if key == "elastic" else "C3", ls="none", label=label)
+        ax.set_title(f"{t} ({cats[t]})", fontsize=9)
         ax.set_xlabel("Ω_MSR (fraction of KV heads sparse)")
+        ax.set_ylabel("NLL (nats), lower is better" if metrics[t] == "nll" else "accuracy %")
         ax.set_xlim(-0.03, 1.03)
-        ax.legend(fontsize=7, loc="lower left")
-    axes[0][0].set_ylabel("score / dense score")
+    axes[0][0].legend(fontsize=7, loc="lower left")
     fig.suptitle(f"Accuracy vs sparsity — {title}", fontsize=10)
     fig.savefig(os.path.join(out_dir, "progressive.png"), dpi=110)
+
+    # 3b. Ω_MSR of every held-out input, per task: routing that reads the prompt spreads by input.
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(tasks), 3.4), constrained_layout=True)
+    for i, t in enumerate(tasks):
+        w = res["elastic"][t].get("omegas", [])
+        jitter = [((k * 0.618) % 1 - 0.5) * 0.5 for k in range(len(w))]
+        ax.scatter([i + j for j in jitter], w, s=8, alpha=0.6, color="C0" if cats[t] == "sensitive" else "C1")
+    ax.set_xticks(range(len(tasks)), [f"{t}\n({cats[t]})" for t in tasks], fontsize=8)
+    ax.set_ylabel("Ω_MSR per input")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(f"Elastic Ω_MSR per held-out input — {title}", fontsize=10)
+    fig.savefig(os.path.join(out_dir, "omega_per_input.png"), dpi=110)
 
     # 4. Training curves.
     log = summary["train_log"]
@@ -202,7 +221,7 @@ def aggregate(run_dirs, out_dir):
             t: {stat: dict(mean=statistics.mean(r["results"][key][t][stat] for r in runs),
                            sd=statistics.stdev(r["results"][key][t][stat] for r in runs))
                 for stat in ("score", "omega_msr", "omega_esr", "omega_esr_last")}
-            for t in runs[0]["tasks"]}
+            for t in runs[0]["results"][key]}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)

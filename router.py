@@ -166,28 +166,33 @@ def tau_cosine(progress, tau_start=1.5, tau_end=1.0, anneal_frac=0.6):
 # -----------------------------------------------------------------------------
 # 2. The Attention Router (one per layer, ≈ 0.26 M parameters at D = 128, hidden ×4).
 
-def boundary_pool(k, lengths, pool_tokens):
-    """Mean of each sample's first P and last P real tokens: (B, Hkv, S, D) -> (B, Hkv, D) float32.
+def boundary_pool(k, lengths, pool_tokens, skip=0):
+    """Mean of each sample's first P real tokens after `skip` and its last P real tokens:
+    (B, Hkv, S, D) -> (B, Hkv, D) float32.
 
     The instructions sit at the start of a prompt and the question at its end; the document in the
-    middle is noise for telling tasks apart (paper App. H.5). A sample shorter than 2P is pooled
-    over each of its tokens once (the union of the two ranges). Tokens at or after lengths[b] are
-    padding and never read; each length must be in [1, S].
+    middle is noise for telling tasks apart (paper App. H.5). `skip` leaves out a fixed preamble that
+    every prompt shares (a chat model's system turn), which would otherwise dilute the instruction.
+    A sample shorter than skip + 2P is pooled over each of its tokens after `skip` once (the union
+    of the two ranges). Tokens at or after lengths[b] are padding and never read; each length must
+    be in [skip + 1, S].
 
     Vectorised by gathering 2P slots per sample rather than weighting all S positions: at 64K
     tokens that reads 200 keys instead of 64K and never makes an fp32 copy of the whole K.
     """
     B, Hkv, S, D = k.shape
     check_lengths(lengths, B, S)
+    if skip and bool((lengths <= skip).any()):
+        raise ValueError(f"every length must exceed the {skip} skipped preamble tokens, got {lengths.tolist()}")
     P = pool_tokens
     slot = torch.arange(P, device=k.device).view(1, P)                # (1, P)
     L = lengths.to(k.device).view(B, 1)                               # (B, 1)
-    head = slot.expand(B, P)                                          # (B, P)  positions 0 .. P−1
+    head = skip + slot.expand(B, P)                                   # (B, P)  positions skip .. skip+P−1
     tail = L - P + slot                                               # (B, P)  positions L−P .. L−1
     pos = torch.cat([head, tail], dim=1)                              # (B, 2P)
     # A head slot counts if it is a real token; a tail slot only if the head range did not already
-    # take it (positions < P belong to the head), so a short sample counts every token exactly once.
-    valid = torch.cat([head < L, tail >= P], dim=1)                   # (B, 2P)
+    # take it (positions < skip + P), so a short sample counts every token exactly once.
+    valid = torch.cat([head < L, tail >= skip + P], dim=1)            # (B, 2P)
     weight = valid.float() / valid.sum(1, keepdim=True)               # (B, 2P), each row sums to 1
     pos = pos.clamp(0, S - 1)                                         # invalid slots read a real row, weight 0
     idx = pos.view(B, 1, 2 * P, 1).expand(B, Hkv, 2 * P, D)           # (B, Hkv, 2P, D)
@@ -203,7 +208,7 @@ class AttentionRouter(nn.Module):
     the router — no task id — so at inference it must infer the task from the prompt itself.
     """
 
-    def __init__(self, head_dim, hidden_mult=4, pool_tokens=100):
+    def __init__(self, head_dim, hidden_mult=4, pool_tokens=100, pool_skip=0):
         super().__init__()
         if not isinstance(head_dim, int) or head_dim < 1:
             raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
@@ -211,8 +216,16 @@ class AttentionRouter(nn.Module):
             raise ValueError(f"hidden_mult must be an int >= 1, got {hidden_mult!r}")
         if not isinstance(pool_tokens, int) or pool_tokens < 1:
             raise ValueError(f"pool_tokens must be an int >= 1, got {pool_tokens!r}")
+        if not isinstance(pool_skip, int) or pool_skip < 0:
+            raise ValueError(f"pool_skip must be an int >= 0, got {pool_skip!r}")
         D, hidden = head_dim, hidden_mult * head_dim
-        self.head_dim, self.pool_tokens = head_dim, pool_tokens
+        self.head_dim, self.pool_tokens, self.pool_skip = head_dim, pool_tokens, pool_skip
+        # The pooled keys are standardised before the MLPs: (x − shift) / scale per feature, with the
+        # layer's statistics over calibration prompts and KV heads (fit_input_norm). Keys share a large
+        # common component; centred and scaled, what differs between inputs is what the MLP first sees.
+        # The defaults (0, 1) leave the keys as they are.
+        self.register_buffer("in_shift", torch.zeros(D))                  # (D,)
+        self.register_buffer("in_scale", torch.ones(D))                   # (D,)
         # Task MLP: turns the pooled key into a "what kind of input is this" feature.
         self.task_mlp = nn.Sequential(nn.Linear(D, hidden), nn.SiLU(), nn.Linear(hidden, D))
         # Router MLP: from that feature to the FULL-vs-SPARSE logit.
@@ -244,11 +257,23 @@ class AttentionRouter(nn.Module):
             lengths = torch.full((B,), S, dtype=torch.long, device=k.device)
 
         with torch.autocast(device_type=k.device.type, enabled=False):   # a logit near 0 needs fp32
-            x = boundary_pool(k, lengths, self.pool_tokens)                # (B, Hkv, D) fp32
-            x = x.to(self.router_mlp[0].weight.dtype)
+            x = boundary_pool(k, lengths, self.pool_tokens, self.pool_skip)  # (B, Hkv, D) fp32
+            x = ((x - self.in_shift) / self.in_scale).to(self.router_mlp[0].weight.dtype)
             x = self.task_mlp(x)                                           # (B, Hkv, D)
             log_alpha = self.router_mlp(x).squeeze(-1)                     # (B, Hkv)
         return log_alpha.float()
+
+
+@torch.no_grad()
+def fit_input_norm(router, pooled):
+    """Set a router's input standardisation from pooled keys of calibration prompts: pooled
+    (N, Hkv, D) → in_shift = their mean, in_scale = their standard deviation, per feature, over
+    prompts and heads alike (per-head statistics would erase what tells the heads apart)."""
+    x = pooled.float().flatten(0, 1)                                      # (N·Hkv, D)
+    if x.shape[0] < 2:
+        raise ValueError(f"fit_input_norm needs at least two pooled vectors, got {tuple(pooled.shape)}")
+    router.in_shift.copy_(x.mean(0))
+    router.in_scale.copy_(x.std(0).clamp(min=1e-6))
 
 
 class StaticGate(nn.Module):
@@ -348,6 +373,19 @@ class SparsityLagrangian(nn.Module):
         per_task = (onehot * per_sample[:, None]).sum(0) / count.clamp(min=1)  # (T,)
         present = (count > 0).to(per_task.dtype)                               # (T,)
         return (per_task * present).sum() / present.sum()
+
+
+def balanced_answer_loss(logits, targets, task_ids, task_counts):
+    """Each sample's mean cross-entropy over its answer tokens, averaged per task, then over the
+    tasks of the global batch (task_counts (T,)): a task with long answers (a 64-token continuation)
+    weighs as much as one with a five-digit one. Shards' losses add up to the global value."""
+    scored = targets != -100                                                   # (B, S)
+    rows = scored.nonzero()[:, 0]                                              # (N,) sample of each scored token
+    ce = F.cross_entropy(logits[scored].float(), targets[scored], reduction="none")  # (N,) only scored rows
+    per_sample = torch.zeros(targets.shape[0], device=ce.device).index_add_(0, rows, ce)
+    per_sample = per_sample / scored.sum(1).clamp(min=1)                       # (B,)
+    weight = 1.0 / (task_counts[task_ids] * (task_counts > 0).sum())           # (B,)
+    return (per_sample * weight).sum()
 
 # -----------------------------------------------------------------------------
 # 4. Training plumbing: frozen backbone, the paper's AdamW groups and schedule.

@@ -24,9 +24,10 @@ The model is llama.cpp's GGUF export of HuggingFaceTB/SmolLM2-135M-Instruct: 30 
 is the quantised model dequantised, not the original bf16 checkpoint.
 
 Sparse heads (METHOD.md §3): sink 64, window 256 — at 2K–8K tokens a streaming head sees under
-a sixth of the prompt, and far facts are invisible to it; pool_tokens 64 covers the task's
-instruction at the start of the user turn and the question plus the assistant header at the end
-(METHOD.md §4), which is what a real prompt tells the router about its task.
+a sixth of the prompt, and far facts are invisible to it. The router pools 32 tokens at each end of
+the prompt after the fixed chat preamble (pool_skip, read off the tokenizer): the instruction at the
+start of the user turn, the question and the assistant header at the end (METHOD.md §4), which is
+what a real prompt tells the router about its task.
 
 Text: the prose of the Python language reference as shipped inside the standard library
 (`pydoc_data.topics`, © Python Software Foundation, PSF License v2; ~80 topics, ~40K tokens of
@@ -211,7 +212,7 @@ def config_from_gguf(reader, **overrides):
         norm_eps=float(get("attention.layer_norm_rms_epsilon")), max_seq_len=int(get("context_length")),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         # Sparse heads and router for 2K–8K-token prompts (see the module docstring).
-        sink=64, window=256, block_size=64, xa_stride=16, pool_tokens=64)
+        sink=64, window=256, block_size=64, xa_stride=16, pool_tokens=32)
     cfg.update(overrides)
     return elastic_attention.Config(**cfg)
 
@@ -257,9 +258,12 @@ def from_gguf(path, **config_overrides):
     window=512, max_seq_len=4096)."""
     gguf = _import_gguf()
     reader = gguf.GGUFReader(path)
+    tokenizer = Tokenizer.from_gguf_reader(reader)
+    # The router skips the chat preamble (system turn + user header) that every prompt starts with.
+    config_overrides.setdefault("pool_skip", len(tokenizer.encode(chat_head(tokenizer))))
     cfg = config_from_gguf(reader, **config_overrides)
     model = elastic_attention.load_hf_state_dict(elastic_attention.Transformer(cfg), state_dict_from_gguf(reader, cfg)).eval()
-    return model, Tokenizer.from_gguf_reader(reader)
+    return model, tokenizer
 
 # -----------------------------------------------------------------------------
 # The tokenizer: byte-level BPE rebuilt from the GGUF's vocabulary and merges with the `tokenizers`
@@ -336,6 +340,11 @@ class Tokenizer:
         return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def chat_head(tokenizer):
+    """The chat text before the user's words: the same for every prompt."""
+    return tokenizer.chat_text("\x00").split("\x00")[0]
+
+
 def _default_system_prompt(template):
     """SmolLM2's template inserts a fixed system turn when the conversation has none; we read it
     from the template rather than hard-coding it (no jinja: one pattern is all we need)."""
@@ -345,10 +354,45 @@ def _default_system_prompt(template):
     return m.group(1) if m else ""
 
 # -----------------------------------------------------------------------------
-# Text: prose paragraphs of the Python language reference in the standard library.
+# Text. Two haystacks: "news", 300 short news reports (the Lee corpus, Lee, Pincombe & Welsh 2005,
+# as shipped in the gensim wheel's test data: narrative prose that nothing in the tasks collides
+# with), and "pydoc", the prose of the Python language reference in the standard library
+# (technical prose: harder for streaming heads, and "pass key" meets the `pass` statement).
+# Paragraphs are the unit; every third one (pydoc: every third topic) is held out for evaluation.
 
-EVAL_EVERY = 3  # every third topic (sorted by name) is held out for evaluation: ~30 % of the prose
+HAYSTACKS = ("news", "pydoc")
+EVAL_EVERY = 3  # every third report / topic is held out for evaluation: ~30 % of the prose
 MIN_WORDS = 8   # shorter paragraphs are list fragments and captions
+NEWS_WHEEL = "gensim==4.4.0"
+NEWS_MEMBER = "gensim/test/test_data/lee_background.cor"
+NEWS_SHA256 = "5d78d6dafd953bbf65797bef09a9ffb9ec430583381be705f8fd460000f370fb"
+
+
+def fetch_news(cache_dir=None):
+    """Path of the verified Lee news corpus (one report per line, 360 KB): pip downloads the gensim
+    wheel once (the file sits in its test data; gensim itself is never installed or imported) and
+    keeps only that file. Offline, copy the file into cache_dir by hand; the sha256 is checked."""
+    cache_dir = cache_dir or default_cache_dir()
+    path = os.path.join(cache_dir, os.path.basename(NEWS_MEMBER))
+    if not os.path.exists(path):
+        os.makedirs(cache_dir, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            # Any platform's wheel holds the same file: ask for one explicitly, so pip never builds.
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary=:all:",
+                   "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                   NEWS_WHEEL, "-d", tmp]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+            wheel = next(f for f in os.listdir(tmp) if f.endswith(".whl"))
+            with zipfile.ZipFile(os.path.join(tmp, wheel)) as z, open(path + ".part", "wb") as dst:
+                dst.write(z.read(NEWS_MEMBER))
+        os.replace(path + ".part", path)
+    with open(path, "rb") as f:
+        got = hashlib.sha256(f.read()).hexdigest()
+    if got != NEWS_SHA256:
+        raise ValueError(f"{path}: sha256 {got}, expected {NEWS_SHA256} (delete it to fetch it again)")
+    return path
 
 
 def _prose_paragraphs(text):
@@ -375,11 +419,18 @@ def _prose_paragraphs(text):
     return paragraphs
 
 
-def load_text(split):
-    """The paragraphs of one split ("train" or "eval"), in a fixed order: topic by topic, sorted.
-    Some topics repeat sections of others: a paragraph appears once, in eval if any eval topic has it."""
+def load_text(split, haystack="news"):
+    """The paragraphs of one split ("train" or "eval") of a haystack, in a fixed order. pydoc: topic
+    by topic, sorted; a paragraph that several topics repeat appears once, in eval if any eval
+    topic has it."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"haystack must be one of {HAYSTACKS}, got {haystack!r}")
+    if haystack == "news":
+        with open(fetch_news(), encoding="utf-8") as f:
+            reports = [line.strip() for line in f if line.strip()]
+        return [r for i, r in enumerate(reports) if (i % EVAL_EVERY == 1) == (split == "eval")]
     from pydoc_data.topics import topics
     names = sorted(topics)
     held_out = [n for i, n in enumerate(names) if i % EVAL_EVERY == 1]
@@ -391,11 +442,13 @@ def load_text(split):
     return [p for p in dict.fromkeys(train) if p not in seen]
 
 
-def text_fingerprint():
-    """sha256 prefix of both splits and the Python version that shipped them (the text changes a
-    little between Python releases): store it with results."""
-    h = hashlib.sha256("\n\n".join(load_text("train") + load_text("eval")).encode()).hexdigest()[:12]
-    return f"pydoc_data.topics (Python {sys.version_info.major}.{sys.version_info.minor}) sha256:{h}"
+def text_fingerprint(haystack="news"):
+    """Where the text came from and a sha256 prefix of both splits (pydoc's text changes a little
+    between Python releases): stored with results."""
+    h = hashlib.sha256("\n\n".join(load_text("train", haystack) + load_text("eval", haystack)).encode())
+    source = (f"Lee news corpus from {NEWS_WHEEL}" if haystack == "news" else
+              f"pydoc_data.topics (Python {sys.version_info.major}.{sys.version_info.minor})")
+    return f"{source} sha256:{h.hexdigest()[:12]}"
 
 
 FILL = 48  # a document stops taking whole paragraphs when this few tokens are left
@@ -410,16 +463,16 @@ class _Corpus:
     """A split's paragraphs with their token counts (one tokenisation per tokenizer and split)."""
     _cache = {}
 
-    def __init__(self, tokenizer, split):
+    def __init__(self, tokenizer, split, haystack):
         self.tokenizer = tokenizer  # held, so that its id cannot be reused by another one
-        self.paragraphs = load_text(split)
+        self.paragraphs = load_text(split, haystack)
         self.n_tokens = [len(tokenizer.encode(p)) for p in self.paragraphs]
 
     @classmethod
-    def get(cls, tokenizer, split):
-        key = (id(tokenizer), split)
+    def get(cls, tokenizer, split, haystack):
+        key = (id(tokenizer), split, haystack)
         if key not in cls._cache or cls._cache[key].tokenizer is not tokenizer:
-            cls._cache[key] = cls(tokenizer, split)
+            cls._cache[key] = cls(tokenizer, split, haystack)
         return cls._cache[key]
 
     def document(self, rng, budget, tokenizer):
@@ -494,16 +547,15 @@ def _fact_word(rng):
 
 def _recent_fact(rng):
     name, room = rng.choice(NAMES), str(rng.randrange(1000, 10000))
-    return dict(instruction="Below is an excerpt from the Python documentation, with a note from a colleague "
-                            "near its end. Please answer my question about the note.",
+    return dict(instruction="Below is a text with a note from a colleague near its end. Please answer my "
+                            "question about the note.",
                 needle=f"Note from {name}: our meeting has been moved to room {room}.",
                 question="Which room has the meeting been moved to?",
                 answer=f"The meeting has been moved to room {room}.", value=room)
 
 
 def _continue(rng):
-    return dict(instruction="Here is a passage from the Python language reference. Continue the text from "
-                            "where it stops.",
+    return dict(instruction="Here is a passage. Continue the text from where it stops.",
                 needle=None, question=None, answer=None, value=None)
 
 
@@ -539,7 +591,7 @@ def get_task(name):
 def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
     """One sample: (prompt ids, answer ids, scored answer indices, needle token positions)."""
     spec = task.make(rng)
-    head = tokenizer.chat_text("\x00").split("\x00")[0]  # the chat text before the user's words
+    head = chat_head(tokenizer)
 
     def render(doc, slot):
         """Prompt ids with the needle inserted before doc[slot], and the needle's token positions."""
@@ -605,10 +657,10 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
 
 
 def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train", window=256, sink=64,
-               depth=None):
+               depth=None, haystack="news"):
     """A batch of real-text samples, balanced over task_names (None = all TASKS): row i gets
     task_names[i % len] before a seeded shuffle. Same arguments -> same batch. split picks the
-    paragraphs ("train" or "eval", disjoint topics); window and sink are the streaming heads' (Config):
+    paragraphs ("train" or "eval", disjoint) of the haystack ("news" or "pydoc"); window and sink are the streaming heads' (Config):
     sensitive needles lie beyond the window (by MARGIN tokens) and after the sink; depth in [0, 1] fixes where a needle goes among its
     allowed slots (0 = farthest from the question), None draws it. CPU tensors:
 
@@ -631,7 +683,7 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be None or in [0, 1], got {depth}")
-    corpus = _Corpus.get(tokenizer, split)
+    corpus = _Corpus.get(tokenizer, split, haystack)
     rng = random.Random(f"{split}:{seed}")  # the split is part of the seed: eval never replays train
     order = list(range(batch_size))
     rng.shuffle(order)

@@ -177,11 +177,11 @@ def test_temperature_schedule():
 # 2. Boundary pooling and the router
 
 
-def reference_pool(k, lengths, P):
-    """Plain loop: the set of positions {0..P−1} ∪ {L−P..L−1} inside [0, L), each counted once."""
+def reference_pool(k, lengths, P, skip=0):
+    """Plain loop: the positions {skip..skip+P−1} ∪ {L−P..L−1} inside [skip, L), each counted once."""
     out = []
     for b, L in enumerate(lengths.tolist()):
-        positions = sorted(set(range(min(P, L))) | set(range(max(0, L - P), L)))
+        positions = sorted(set(range(skip, min(skip + P, L))) | set(range(max(skip, L - P), L)))
         out.append(k[b, :, positions].double().mean(1))          # (Hkv, D)
     return torch.stack(out)                                      # (B, Hkv, D)
 
@@ -204,6 +204,43 @@ def test_boundary_pool_matches_explicit_mean(kl):
     got, want = boundary_pool(k, lengths, 5), reference_pool(k, lengths, 5)
     err = (got.double() - want).abs().max().item()
     assert got.dtype == torch.float32 and err < 1e-5, f"lengths {lengths.tolist()}: max diff {err}"
+
+
+@FAST
+@given(keys_and_lengths(), st.integers(0, 6))
+def test_boundary_pool_skips_the_shared_preamble(kl, skip):
+    """pool_skip leaves the first `skip` tokens out: the head range starts after them."""
+    k, lengths = kl
+    if bool((lengths <= skip).any()):
+        with pytest.raises(ValueError, match="preamble"):
+            boundary_pool(k, lengths, 5, skip)
+        return
+    got, want = boundary_pool(k, lengths, 5, skip), reference_pool(k, lengths, 5, skip)
+    err = (got.double() - want).abs().max().item()
+    assert err < 1e-5, f"lengths {lengths.tolist()}, skip {skip}: max diff {err}"
+
+
+def test_fit_input_norm_standardises_the_pooled_keys():
+    """After fitting on pooled keys, those keys reach the MLPs with mean 0 and sd 1 per feature
+    (over prompts and heads); before fitting the router sees them unchanged."""
+    from router import fit_input_norm
+    g = torch.Generator().manual_seed(0)
+    k = 5.0 + 3.0 * torch.randn(16, 3, 12, 8, generator=g)         # a large shared offset, as real keys have
+    lengths = torch.full((16,), 12)
+    r = AttentionRouter(8, hidden_mult=2, pool_tokens=4)
+    pooled = boundary_pool(k, lengths, 4)                              # (16, 3, 8)
+    seen = []
+    hook = r.task_mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+    with torch.no_grad():
+        r(k, lengths)
+        assert torch.equal(seen[-1], pooled)
+        fit_input_norm(r, pooled)
+        r(k, lengths)
+    hook.remove()
+    x = seen[-1].flatten(0, 1)
+    assert x.mean(0).abs().max() < 1e-5 and (x.std(0) - 1).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="at least two"):
+        fit_input_norm(r, pooled[:1, :1])
 
 
 @FAST
@@ -557,3 +594,24 @@ def test_frozen_tiny_transformer_trains_only_routers(restore_rng):
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), f"backbone param {n} changed"
+
+
+def test_balanced_answer_loss_weighs_every_task_alike():
+    """Per sample the mean cross-entropy of its answer tokens, per task the mean over its samples,
+    then the mean over tasks; shards of a batch (given the whole batch's task counts) add up to it."""
+    from router import balanced_answer_loss
+    g = torch.Generator().manual_seed(0)
+    B, S, V = 6, 7, 11
+    logits = torch.randn(B, S, V, generator=g)
+    targets = torch.randint(0, V, (B, S), generator=g)
+    targets[torch.rand(B, S, generator=g) < 0.5] = -100
+    targets[:, 0] = 3                                                  # every row scores at least one token
+    task_ids = torch.tensor([0, 0, 0, 2, 2, 0])                        # task 1 absent from the batch
+    counts = torch.bincount(task_ids, minlength=3)
+    per_sample = [torch.nn.functional.cross_entropy(logits[b][targets[b] != -100].double(),
+                                                    targets[b][targets[b] != -100]) for b in range(B)]
+    want = (sum(per_sample[b] for b in (0, 1, 2, 5)) / 4 + (per_sample[3] + per_sample[4]) / 2) / 2
+    got = balanced_answer_loss(logits, targets, task_ids, counts)
+    assert abs(got.item() - want.item()) < 1e-5
+    shards = sum(balanced_answer_loss(logits[r::2], targets[r::2], task_ids[r::2], counts) for r in range(2))
+    assert abs(shards.item() - want.item()) < 1e-5

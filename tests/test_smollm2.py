@@ -286,13 +286,45 @@ def test_tokenizer_digits_and_chat(tiny_tok, bpe):
 # Text and tasks.
 
 
+@pytest.fixture(autouse=True)
+def small_news(tmp_path_factory, monkeypatch):
+    """A stand-in for the Lee news corpus (the real one comes in a 28 MB wheel): 90 short reports
+    in its format, one per line, in a cache folder of their own, with their sha256 as the expected one."""
+    import hashlib
+    import random
+    folder = tmp_path_factory.getbasetemp() / "news-cache"
+    path = folder / os.path.basename(smollm2.NEWS_MEMBER)
+    if not path.exists():
+        rng = random.Random(0)
+        words = ("council river market storm harvest bridge festival school train harbour museum road "
+                 "election orchard bakery library").split()
+        reports = [" ".join(f"The {rng.choice(words)} of town {i} was {rng.choice(['busy', 'quiet', 'closed'])} "
+                            f"on day {rng.randrange(1, 29)}, officials said." for _ in range(9)) for i in range(90)]
+        folder.mkdir(exist_ok=True)
+        path.write_text("\n".join(reports) + "\n", encoding="utf-8")
+    fetch = smollm2.fetch_news
+    monkeypatch.setattr(smollm2, "fetch_news", lambda cache_dir=None: fetch(str(folder)))
+    monkeypatch.setattr(smollm2, "NEWS_SHA256", hashlib.sha256(path.read_bytes()).hexdigest())
+
+
 def test_text_splits_are_disjoint_prose():
-    train, held_out = smollm2.load_text("train"), smollm2.load_text("eval")
-    assert len(train) > 2 * len(held_out) > 200
-    assert not set(train) & set(held_out)
-    for p in train + held_out:
-        assert len(p.split()) >= smollm2.MIN_WORDS and "\n" not in p and not p.startswith(("+", "|", " "))
-    assert smollm2.text_fingerprint().startswith("pydoc_data.topics (Python ")
+    for haystack in smollm2.HAYSTACKS:
+        train, held_out = smollm2.load_text("train", haystack), smollm2.load_text("eval", haystack)
+        assert len(train) > 1.9 * len(held_out) > 50
+        assert not set(train) & set(held_out)
+        for p in train + held_out:
+            assert len(p.split()) >= smollm2.MIN_WORDS and "\n" not in p and not p.startswith(("+", "|", " "))
+    assert smollm2.text_fingerprint("pydoc").startswith("pydoc_data.topics (Python ")
+    assert smollm2.text_fingerprint("news").startswith(f"Lee news corpus from {smollm2.NEWS_WHEEL} sha256:")
+    with pytest.raises(ValueError, match="haystack"):
+        smollm2.load_text("train", "novels")
+
+
+def test_news_file_is_checked(monkeypatch):
+    """A news file whose bytes are not the expected ones is refused, naming both hashes."""
+    monkeypatch.setattr(smollm2, "NEWS_SHA256", "0" * 64)
+    with pytest.raises(ValueError, match="sha256 .* expected 0000"):
+        smollm2.fetch_news()
 
 
 SEQ, WINDOW = 1536, 128
