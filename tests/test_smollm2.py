@@ -445,7 +445,7 @@ def test_route_prompt_reports_the_routers_choice(tiny_file, tiny_tok, tmp_path):
                     routers=[r.state_dict() for r in model.routers]), path)
     fresh = elastic_attention.Transformer(ref.cfg).eval()
     fresh.load_state_dict(ref.state_dict())
-    smollm2.load_routers(fresh, smollm2.read_routers(str(path)))
+    smollm2.load_routers(fresh, smollm2.read_routers(str(path), ref.cfg.n_layers, ref.cfg.head_dim))
     text = "Read this and tell me the colour: the sky is blue."
     got = smollm2.route_prompt(fresh, tiny_tok, text, max_new_tokens=4)
     L, Hkv = ref.cfg.n_layers, ref.cfg.n_kv_heads
@@ -459,8 +459,28 @@ def test_route_prompt_reports_the_routers_choice(tiny_file, tiny_tok, tmp_path):
     new = new[:new.index(tiny_tok.eos_id)] if tiny_tok.eos_id in new else new
     assert got["answer"] == tiny_tok.decode(new) and got["tokens"] == ids.shape[1]
     torch.save(dict(config={}, model={}), tmp_path / "model.pt")
-    with pytest.raises(ValueError, match="not the router.pt"):
+    with pytest.raises(ValueError, match="is a model checkpoint.*expected a dict with the keys 'settings', 'routers'"):
         smollm2.read_routers(str(tmp_path / "model.pt"))
+
+
+def test_read_routers_refuses_other_files(tmp_path):
+    """Not a torch file, static gates, and a tiny-preset router.pt (4 layers, head dim 16) offered to
+    SmolLM2 (30 layers, head dim 64): one ValueError each, before any model is built."""
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with pytest.raises(ValueError, match="not a file written by torch.save"):
+        smollm2.read_routers(readme)
+    torch.save(dict(settings={}, static=True, routers=[]), tmp_path / "static.pt")
+    with pytest.raises(ValueError, match="static gates"):
+        smollm2.read_routers(str(tmp_path / "static.pt"))
+    cfg = elastic_attention.Config.preset("tiny", vocab_size=40)
+    model = elastic_attention.Transformer(cfg)
+    model.attach_routers()
+    torch.save(dict(settings=dict(config=dict(head_dim=cfg.head_dim)), static=False,
+                    routers=[r.state_dict() for r in model.routers]), tmp_path / "router.pt")
+    with pytest.raises(ValueError, match=r"routers of another model \(4 layers, head dim 16\): this one needs 30 "
+                                         r"layers, head dim 64"):
+        smollm2.read_routers(str(tmp_path / "router.pt"))
+    assert len(smollm2.read_routers(str(tmp_path / "router.pt"), 4, 16)["routers"]) == 4
 
 # -----------------------------------------------------------------------------
 # The real model, only where its file is already cached (never downloaded by the tests).
