@@ -274,9 +274,11 @@ _CONTROL = 3  # tokenizer.ggml.token_type of control tokens (<|im_start|>, <|im_
 
 
 class Tokenizer:
-    """encode(text) -> ids (control tokens written in the text, e.g. "<|im_start|>", become their
-    ids, as Hugging Face tokenizers do), encode_offsets(text) -> (ids, [(start, end)] character
-    spans), decode(ids), chat_text(user) -> the ChatML prompt through the assistant header."""
+    """encode(text) -> ids, encode_offsets(text) -> (ids, [(start, end)] character spans),
+    decode(ids), chat_text(user) -> the ChatML prompt through the assistant header, chat_ids(user)
+    -> its ids. Control tokens written in a text ("<|im_start|>", "<|im_end|>") are plain text,
+    so a document cannot open or close a turn; special=True makes them control tokens, for callers
+    that write a template themselves (Hugging Face tokenizers always do that)."""
 
     def __init__(self, tokens, merges, token_types, pre="smollm", pad_id=None, eos_id=None, chat_template=None):
         try:
@@ -317,15 +319,20 @@ class Tokenizer:
     def from_gguf(cls, path):
         return cls.from_gguf_reader(_import_gguf().GGUFReader(path))
 
-    def encode(self, text):
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text, special=False):
+        return self.encode_offsets(text, special)[0]
 
-    def encode_offsets(self, text):
+    def encode_offsets(self, text, special=False):
+        self._tok.encode_special_tokens = not special   # True: control tokens in the text stay text
         enc = self._tok.encode(text, add_special_tokens=False)
         return enc.ids, enc.offsets
 
     def decode(self, ids, skip_special=True):
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def chat_text(self, user, system=None):
         """The prompt the model's chat template renders for one user turn with
@@ -335,6 +342,14 @@ class Tokenizer:
         system = self.system if system is None else system
         head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
         return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+    def chat_ids(self, user, system=None):
+        """The ids of chat_text(user): the template's control tokens, the user's words as plain text.
+        Cut at control tokens, as encoding the whole text splits it: the same ids where the user's
+        words hold none."""
+        head, tail = self.chat_text("\x00", system).split("\x00")
+        cut = head.rindex("<|im_start|>") + len("<|im_start|>")                    # before "user\n"
+        return self.encode(head[:cut], True) + self.encode(head[cut:] + user) + self.encode(tail, True)
 
 
 def _default_system_prompt(template):
@@ -548,7 +563,7 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
         if spec["needle"] is not None:
             paras.insert(slot, spec["needle"])
         user = "\n\n".join([spec["instruction"], *paras] + ([spec["question"]] if spec["question"] else []))
-        ids, offsets = tokenizer.encode_offsets(tokenizer.chat_text(user))
+        ids, offsets = tokenizer.encode_offsets(tokenizer.chat_text(user), special=True)
         if spec["needle"] is None:
             return ids, []
         start = len(head) + len("\n\n".join([spec["instruction"], *paras[:slot]])) + 2
@@ -567,7 +582,7 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
         answer = answer + [tokenizer.eos_id]
         answer_len = len(answer)
     fixed = "\n\n".join(x for x in (spec["instruction"], spec["needle"], spec["question"]) if x)
-    budget = seq_len - len(tokenizer.encode(tokenizer.chat_text(fixed))) - answer_len - SLACK
+    budget = seq_len - len(tokenizer.encode(tokenizer.chat_text(fixed), special=True)) - answer_len - SLACK
     for _ in range(8):  # the document's token count is an estimate: retry shorter if it overflows
         if budget < 64 or (task.placement == "far" and budget < window + MARGIN + 64):
             raise ValueError(f"seq_len {seq_len} too short for task {task.name!r} at window {window}")
@@ -766,7 +781,7 @@ def route_prompt(model, tokenizer, text, max_new_tokens=48):
     """Route one user prompt with the model's routers (attached and trained) and answer it greedily.
     Returns dict(full (L, Hkv) bool: heads the routers keep FULL, omega_msr, omega_esr, answer)."""
     device = model.lm_head.weight.device
-    ids = torch.tensor([tokenizer.encode(tokenizer.chat_text(text))], device=device)  # (1, S)
+    ids = torch.tensor([tokenizer.chat_ids(text)], device=device)  # (1, S): the text's control tokens stay text
     model.eval()  # deterministic routing: z = 1 (FULL) where log α > 0
     seq, info = model.generate(ids, max_new_tokens)
     full = torch.stack([z[0] for z in info["z"]]) > 0.5                        # (L, Hkv)
