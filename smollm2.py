@@ -174,6 +174,20 @@ def _import_gguf():
     return gguf
 
 
+def _read_gguf(path):
+    """gguf.GGUFReader(path), or a ValueError saying what the file is instead: a directory, not a
+    GGUF file, or one truncated in its header or its tensor data (the reader maps every tensor)."""
+    gguf = _import_gguf()
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} is {'a directory' if os.path.isdir(path) else 'not a file'}; expected a GGUF file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:   # the reader fails in many ways (magic, short reads, numpy views)
+        raise ValueError(f"{path!r} is not a readable GGUF file: truncated, damaged or another format "
+                         f"({type(e).__name__}: {e})") from None
+    return reader
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -244,10 +258,12 @@ def state_dict_from_gguf(reader, cfg):
             raise ValueError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}) has no counterpart in this model")
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists ne0 (the row length) first
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
-        if m and m.group(2) == "attn_q":
-            w = unpermute_qk(w, cfg.n_heads)
-        elif m and m.group(2) == "attn_k":
-            w = unpermute_qk(w, cfg.n_kv_heads)
+        if m and m.group(2) in ("attn_q", "attn_k"):  # the permutation needs the right shape
+            heads = cfg.n_heads if m.group(2) == "attn_q" else cfg.n_kv_heads
+            if shape != (heads * cfg.head_dim, cfg.dim):
+                raise ValueError(f"GGUF tensor {t.name!r} has shape {shape}, expected {(heads * cfg.head_dim, cfg.dim)} "
+                                 f"({heads} heads × head dim {cfg.head_dim}, width {cfg.dim})")
+            w = unpermute_qk(w, heads)
         state[name] = torch.from_numpy(np.ascontiguousarray(w))
     return state
 
@@ -256,8 +272,7 @@ def from_gguf(path, **config_overrides):
     """(model, tokenizer) from a llama-architecture GGUF file. The model is float32 on the CPU, in
     eval mode, every head FULL until told otherwise; config_overrides replace Config fields (e.g.
     window=512, max_seq_len=4096)."""
-    gguf = _import_gguf()
-    reader = gguf.GGUFReader(path)
+    reader = _read_gguf(path)
     cfg = config_from_gguf(reader, **config_overrides)
     model = elastic_attention.load_hf_state_dict(elastic_attention.Transformer(cfg), state_dict_from_gguf(reader, cfg)).eval()
     return model, Tokenizer.from_gguf_reader(reader)
@@ -309,6 +324,10 @@ class Tokenizer:
         if _field(reader, "tokenizer.ggml.model") != "gpt2":
             raise ValueError(f"tokenizer.ggml.model = {_field(reader, 'tokenizer.ggml.model')!r}: only byte-level "
                              f"BPE ('gpt2') is implemented")
+        missing = [k for k in ("tokens", "merges", "token_type") if _field(reader, f"tokenizer.ggml.{k}") is None]
+        if missing:
+            raise ValueError(f"GGUF metadata lacks tokenizer.ggml.{{{', '.join(missing)}}}: a byte-level BPE needs "
+                             "its vocabulary, merges and token types")
         return cls(_field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.merges"),
                    _field(reader, "tokenizer.ggml.token_type"), pre=_field(reader, "tokenizer.ggml.pre", "gpt-2"),
                    pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
@@ -317,7 +336,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path):
-        return cls.from_gguf_reader(_import_gguf().GGUFReader(path))
+        return cls.from_gguf_reader(_read_gguf(path))
 
     def encode(self, text, special=False):
         return self.encode_offsets(text, special)[0]

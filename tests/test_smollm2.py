@@ -103,7 +103,8 @@ def write_gguf(path, model, tokens, merges, quantized=False, arch="llama", extra
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(merges)
+    if merges is not None:
+        w.add_token_merges(merges)
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_pad_token_id(tokens.index("<|im_end|>"))
     w.add_chat_template(TEMPLATE)
@@ -223,6 +224,30 @@ def test_refuses_what_the_model_does_not_implement(tmp_path, bpe, arch, extra, k
     write_gguf(path, random_model(tiny_config(len(tokens))), tokens, merges, arch=arch, extra_kv=extra)
     with pytest.raises(ValueError, match=re.escape(key)):
         smollm2.from_gguf(path)
+
+
+def test_from_gguf_refuses_bad_files(tmp_path, tiny_file, bpe, monkeypatch):
+    """Each bad file gets one ValueError saying what it is and what was expected, not a traceback
+    from deep inside the reader, numpy or the tokenizer."""
+    tokens, merges = bpe
+    data = open(tiny_file[0], "rb").read()
+    for name, cut in (("head.gguf", 100), ("data.gguf", len(data) - 1000)):
+        (tmp_path / name).write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="is not a readable GGUF file: truncated"):
+            smollm2.from_gguf(str(tmp_path / name))
+    with pytest.raises(ValueError, match="is a directory; expected a GGUF file"):
+        smollm2.from_gguf(str(tmp_path))
+    model = random_model(tiny_config(len(tokens)))
+    write_gguf(str(tmp_path / "no-merges.gguf"), model, tokens, None)
+    with pytest.raises(ValueError, match=r"lacks tokenizer.ggml.\{merges\}"):
+        smollm2.from_gguf(str(tmp_path / "no-merges.gguf"))
+    model.layers[1].self_attn.q_proj.weight = torch.nn.Parameter(torch.zeros(42, 64))  # not 4 heads × 16 rows
+    with monkeypatch.context() as m:                                                   # written as it is
+        m.setattr(smollm2, "permute_qk", lambda w, n_heads: w)
+        m.setattr(smollm2, "unpermute_qk", lambda w, n_heads: w)
+        write_gguf(str(tmp_path / "q.gguf"), model, tokens, merges)
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk.1.attn_q.weight' has shape \(42, 64\), expected \(64, 64\)"):
+        smollm2.from_gguf(str(tmp_path / "q.gguf"))
 
 
 def test_verify_gguf(tmp_path):
