@@ -411,7 +411,8 @@ class Transformer(nn.Module):
         for v in values:
             if v.device != device or (v.dtype.is_floating_point != (kind == "floating")) or v.dtype.is_complex \
                     or v.dtype == torch.bool:
-                raise ValueError(f"{name} must be {kind} tensors on the tokens' device {device}, got {v.dtype} on {v.device}")
+                raise ValueError(f"{name} must be {kind} tensors on the tokens' device {device}, got {v.dtype} "
+                                 f"on {v.device}")
         if name != "modes" and any(((v < 0) | (v > 1) | v.isnan()).any() for v in values):
             raise ValueError(f"{name} must lie in [0, 1]" + (" (z = 1 FULL, 0 sparse)" if name == "gates" else ""))
 

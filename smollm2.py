@@ -261,8 +261,8 @@ def state_dict_from_gguf(reader, cfg):
         if m and m.group(2) in ("attn_q", "attn_k"):  # the permutation needs the right shape
             heads = cfg.n_heads if m.group(2) == "attn_q" else cfg.n_kv_heads
             if shape != (heads * cfg.head_dim, cfg.dim):
-                raise ValueError(f"GGUF tensor {t.name!r} has shape {shape}, expected {(heads * cfg.head_dim, cfg.dim)} "
-                                 f"({heads} heads × head dim {cfg.head_dim}, width {cfg.dim})")
+                raise ValueError(f"GGUF tensor {t.name!r} has shape {shape}, expected "
+                                 f"{(heads * cfg.head_dim, cfg.dim)} ({heads} heads × head dim {cfg.head_dim}, width {cfg.dim})")
             w = unpermute_qk(w, heads)
         state[name] = torch.from_numpy(np.ascontiguousarray(w))
     return state
