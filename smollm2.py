@@ -779,8 +779,10 @@ def read_routers(path, n_layers=30, head_dim=64):
     saved = ckpt["settings"].get("config", {}) if isinstance(ckpt["settings"], dict) else {}
     with torch.device("meta"):  # the shapes a router of this model has, without making one
         want = router_lib.AttentionRouter(head_dim, saved.get("router_hidden_mult", 4)).state_dict()
-    shapes = lambda state: {k: tuple(v.shape) for k, v in state.items()} if isinstance(state, dict) else state
-    if len(ckpt["routers"]) != n_layers or any(shapes(r) != shapes(want) for r in ckpt["routers"]):
+    want = {k: tuple(v.shape) for k, v in want.items()}
+    got = [{k: tuple(getattr(v, "shape", ())) for k, v in r.items()} if isinstance(r, dict) else r
+           for r in ckpt["routers"]]
+    if got != [want] * n_layers:
         raise ValueError(f"{path!r} holds routers of another model ({len(ckpt['routers'])} layers, head dim "
                          f"{saved.get('head_dim', '?')}): this one needs {n_layers} layers, head dim {head_dim}")
     return ckpt
