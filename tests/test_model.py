@@ -265,6 +265,30 @@ def test_model_bad_input_raises():
         model.generate(idx, 300)
 
 
+def test_model_refuses_what_would_fail_deeper_or_silently():
+    """B = 0, modes that are complex or elsewhere, gate noise of the wrong shape or range, and a
+    prompt longer than the real tokens (the router would pool padding): named at the entry."""
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 2, 8)
+    model.attach_routers()
+    model.train()
+    with pytest.raises(ValueError, match=r"idx has no tokens: \(B, S\) = \(0, 8\)"):
+        model(idx[:0])
+    with pytest.raises(ValueError, match="modes must be integer tensors on the tokens' device cpu, got torch.complex64"):
+        model(idx, modes=torch.zeros(2, 2, 2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="modes must be integer tensors on the tokens' device cpu, got .* on meta"):
+        model(idx, modes=torch.zeros(2, 2, 2, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match=r"gate_noise must have shape \(L, B, Hkv\) = \(2, 2, 2\), got \(2, 2\)"):
+        model(idx, gate_noise=torch.rand(2, 2))          # (L, B) would broadcast over the heads
+    with pytest.raises(ValueError, match=r"gate_noise must lie in \[0, 1\]"):
+        model(idx, gate_noise=torch.full((2, 2, 2), 1.5))  # would pin every gate FULL
+    with pytest.raises(ValueError, match="gate_noise must be floating"):
+        model(idx, gate_noise=torch.ones(2, 2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"prompt_lengths must not exceed lengths .* got \[8, 6\] and \[8, 4\]"):
+        model(idx, lengths=torch.tensor([8, 4]), prompt_lengths=torch.tensor([8, 6]))
+    model(idx, lengths=torch.tensor([8, 4]), prompt_lengths=torch.tensor([8, 4]), gate_noise=torch.rand(2, 2, 2))
+
+
 @pytest.mark.parametrize("head_config", ["FA-XA", "XA-SSA", "XA-XA"])
 def test_xattention_head_configs_run_and_threshold_one_is_dense(head_config):
     """With τ = 1 XAttention keeps every causal block, so its heads are exactly FULL heads."""
