@@ -77,9 +77,11 @@ def table(runs):
         esr = statistics.mean(statistics.mean(v["omega_esr"] for v in r["results"][key].values()) for r in runs)
         lines.append(f"{dict(METHODS)[key.split('@')[0]]:<15}{cells}{esr:.2f}")
     if "gate_share_end" in first:
-        def ms(values, digits=2):
-            return f"{values[0]:.{digits}f}" if len(values) == 1 else \
-                f"{statistics.mean(values):.{digits}f}±{statistics.stdev(values):.{digits}f}"
+        def ms(values, digits=2):  # mean ± sd of the finite values (a category absent from a short run is NaN)
+            values = [v for v in values if v == v]
+            if len(values) < 2:
+                return f"{values[0]:.{digits}f}" if values else "n/a"
+            return f"{statistics.mean(values):.{digits}f}±{statistics.stdev(values):.{digits}f}"
         lines.append(f"sensitive target {ms([r['calibration']['sensitive_target'] for r in runs])}; gate draws "
                      f"passing gradient, last tenth of training {ms([r['gate_share_end'] for r in runs])}")
         lines.append("Ω_MSR in training vs deployed: " + ", ".join(

@@ -833,8 +833,12 @@ for name in progressive:  # dense and all-sparse close every curve
 
 # Training Ω against deployed Ω, per category: the stochastic training gates and the deterministic
 # deployment rule should agree.
-agreement = {c: dict(train=statistics.mean(r[f"omega_{c}"] for r in tail), deployed=category_omega(results["elastic"], c))
-             for c in ("sensitive", "robust")}
+def train_omega(c):  # the mean over the logged steps whose batch held this category (others log NaN)
+    seen = [r[f"omega_{c}"] for r in tail if not math.isnan(r[f"omega_{c}"])]
+    return statistics.mean(seen) if seen else float("nan")
+
+
+agreement = {c: dict(train=train_omega(c), deployed=category_omega(results["elastic"], c)) for c in ("sensitive", "robust")}
 
 # A few answers, decoded greedily with the routers deciding from the prompt (real-text suite only).
 answers = {}
