@@ -35,7 +35,11 @@ import statistics
 import time
 import warnings
 
-import torch
+# OpenMP threads that sleep between parallel regions instead of spinning: a CPU shared with other
+# jobs is not slowed several-fold (the GPU timings do not change). Read when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # smoke-test mode: must be set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")

