@@ -121,3 +121,25 @@ def test_smollm2_help_explains_every_option():
                                        "--max-new-tokens"}
     for name, rest, more in options:
         assert (rest + more).strip(), f"{name} has no help"
+
+
+def test_readme_route_your_input_snippet_names_each_rows_task(tmp_path):
+    """The README's snippet, run as written on a model.pt (here: random routers on the tiny model),
+    prints one line per input: its task name, its Ω_MSR and its modes."""
+    import torch
+
+    import elastic_attention
+    import tasks
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
+    torch.manual_seed(0)
+    model = elastic_attention.Transformer(elastic_attention.Config.preset("tiny", vocab_size=tasks.VOCAB_SIZE))
+    model.attach_routers()
+    elastic_attention.save_checkpoint(str(tmp_path / "model.pt"), model)
+    assert '"runs/smoke-FA-SSA-seed0/model.pt"' in code
+    code = code.replace('"runs/smoke-FA-SSA-seed0/model.pt"', repr(str(tmp_path / "model.pt")))
+    proc = run("-c", code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert sorted(line.split()[0] for line in lines) == ["passkey", "periodic"], proc.stdout
+    assert all("Ω_MSR" in line for line in lines), proc.stdout
