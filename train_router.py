@@ -3,7 +3,7 @@ the model becomes sparse where it can and keeps its retrieval heads where it mus
 §6, §8), with no task id at inference.
 
     python train_router.py --smoke            # the whole pipeline in under a minute (CPU): a quick look
-    python train_router.py                    # tiny preset, CPU, the shipped backbone (~15 min, 2 cores)
+    python train_router.py                    # tiny preset, CPU, the shipped backbone (its time: RESULTS.md)
     python train_router.py --seeds 0,1,2      # three router seeds, then a mean ± sd table
     python train_router.py --preset gpu       # 4K-token tasks on one GPU (trains its own backbone)
     python train_router.py --preset smollm2   # SmolLM2-135M on real text, one GPU (pip install -e ".[real]")
