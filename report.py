@@ -14,7 +14,10 @@ import os
 import platform
 import statistics
 
-import torch
+if __name__ == "__main__":  # as a command: OpenMP threads that sleep when idle (read as torch loads)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Fixed head sets are deployed at Elastic's mean Ω_MSR over the evaluation mix; the oracle picks one
 # set per category with the task label; the swap control runs sensitive inputs with a robust input's
@@ -235,10 +238,17 @@ def aggregate(run_dirs, out_dir):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Table and plots of train_router.py runs.")
+    parser = argparse.ArgumentParser(description="Table and plots of train_router.py runs.", allow_abbrev=False)
     parser.add_argument("runs", nargs="+", help="run folders holding results.json")
     parser.add_argument("--out", help="with several runs: where the aggregate goes (default: the first's parent)")
     a = parser.parse_args()
+    for d in a.runs:  # a wrong folder is one line, not a traceback from deep inside the plots
+        try:
+            with open(os.path.join(d, "results.json")) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            reason = "no results.json there" if isinstance(e, FileNotFoundError) else f"its results.json: {e}"
+            raise SystemExit(f"error: {d!r} is not a finished train_router.py run folder ({reason})")
     if len(a.runs) == 1:
         with open(os.path.join(a.runs[0], "results.json")) as f:
             s = json.load(f)

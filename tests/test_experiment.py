@@ -71,6 +71,9 @@ def test_pipeline_writes_sane_outputs(quick_run):
         assert label in proc.stdout
     table = proc.stdout[proc.stdout.index("results:"):proc.stdout.index("outputs in")].splitlines()
     assert max(len(line) for line in table) <= 100, "the table must fit 100 columns"
+    # Each step table says which stage it logs; the last line names every file the run wrote.
+    assert "routers: step | loss" in proc.stdout and "static gates: step | loss" in proc.stdout
+    assert "router.pt, static.pt, backbone.pt, plots" in proc.stdout.splitlines()[-1]
 
 
 def test_model_pt_routes_an_input_after_the_run(quick_run):

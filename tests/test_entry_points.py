@@ -1,0 +1,145 @@
+"""The commands a reader types first: they behave on a shared CPU, refuse bad flags and files in one
+line before any long work, and say what they are doing. Subprocesses on the CPU, each a few seconds."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRY_POINTS = ("train_router.py", "smollm2.py", "bench.py", "report.py")
+
+
+def run(*args, env=None, timeout=120):
+    env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_line_error(proc, *words):
+    """A non-zero exit whose stderr is one `error: ...` line (argparse may print its usage above it)
+    naming each of `words`, and no traceback."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "error:" in last, proc.stderr
+    for w in words:
+        assert w in last, (w, last)
+    return last
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_entry_points_set_a_passive_wait_policy_before_torch_loads(name):
+    """OpenMP reads OMP_WAIT_POLICY once, when torch loads its runtime: the default must be set
+    above the first torch import, and only as a default (a user's own setting wins)."""
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    first_torch = next(i for i, line in enumerate(lines) if re.match(r"\s*(import torch|from torch)", line))
+    policy = [i for i, line in enumerate(lines) if 'os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")' in line]
+    assert policy and policy[0] < first_torch, f"{name}: no OMP_WAIT_POLICY default above line {first_torch + 1}"
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_abbreviated_flags_are_refused(name):
+    """argparse's prefix matching would take `--step 10` as `--steps 10`, or `--seq 8` as `--seq-lens`."""
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        src = f.read()
+    constructors = re.findall(r"ArgumentParser\((.*?)\)\s*(?:#.*)?\n", src, re.S)
+    assert constructors and all("allow_abbrev=False" in c for c in constructors), name
+
+
+def test_train_router_refuses_a_misspelt_flag_before_making_a_folder(tmp_path):
+    out = tmp_path / "run"
+    proc = run("train_router.py", "--step", "10", "--out", str(out))
+    one_line_error(proc, "unrecognized arguments: --step 10")
+    assert not out.exists()
+
+
+def test_train_router_triton_on_a_cpu_needs_the_interpreter_before_anything_starts(tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("with CUDA, --backend triton defaults to the GPU")
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "train_router.py", "--smoke", "--backend", "triton", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    one_line_error(proc, "TRITON_INTERPRET=1")
+    assert not out.exists(), "the refused run left an output folder"
+
+
+def test_report_of_a_folder_without_a_run_is_one_line(tmp_path):
+    one_line_error(run("report.py", str(tmp_path / "nope")), "no results.json")
+    (tmp_path / "results.json").write_text("{")
+    one_line_error(run("report.py", str(tmp_path)), "results.json")
+
+
+@pytest.fixture
+def empty_cache(tmp_path):
+    """A GGUF cache with nothing in it: a refusal that came after the download would leave a file."""
+    cache = tmp_path / "cache"
+    yield {"ELASTIC_ATTENTION_CACHE": str(cache)}
+    assert not cache.exists() or not any(cache.iterdir()), "smollm2.py downloaded before refusing"
+
+
+def test_smollm2_refuses_a_missing_or_binary_file_before_the_download(tmp_path, empty_cache):
+    one_line_error(run("smollm2.py", "--file", str(tmp_path / "nope.txt"), env=empty_cache),
+                   "nope.txt", "No such file")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    one_line_error(run("smollm2.py", "--file", str(tmp_path / "latin1.txt"), env=empty_cache), "not UTF-8")
+
+
+def test_smollm2_refuses_cuda_without_a_gpu_before_the_download(empty_cache):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    one_line_error(run("smollm2.py", "--device", "cuda", env=empty_cache), "no CUDA device")
+
+
+def test_smollm2_refuses_routers_of_another_model_before_the_download(tmp_path, empty_cache):
+    """A tiny run's router.pt (4 layers × 4 KV heads) on SmolLM2 (30 × 3): one line, in a second."""
+    from dataclasses import asdict
+
+    import torch
+
+    import elastic_attention
+    import tasks
+    cfg = elastic_attention.Config.preset("tiny", vocab_size=tasks.VOCAB_SIZE)
+    model = elastic_attention.Transformer(cfg)
+    model.attach_routers()
+    path = tmp_path / "router.pt"
+    torch.save(dict(settings=dict(config=asdict(cfg)), static=False,
+                    routers=[r.state_dict() for r in model.routers]), path)
+    one_line_error(run("smollm2.py", "--routers", str(path), env=empty_cache), str(path))
+    one_line_error(run("smollm2.py", "--routers", str(tmp_path / "none.pt"), env=empty_cache), "none.pt")
+
+
+def test_smollm2_help_explains_every_option():
+    out = run("smollm2.py", "--help").stdout
+    description = out.split("\n\n")[1]
+    assert description.replace("\n", " ").strip().endswith("."), description
+    options = re.findall(r"^  (-{1,2}[\w-]+|question)(.*)\n((?:\s{20,}.*\n)*)", out, re.M)
+    assert {o[0] for o in options} >= {"question", "--file", "--routers", "--gguf", "--cache-dir", "--device",
+                                       "--max-new-tokens"}
+    for name, rest, more in options:
+        assert (rest + more).strip(), f"{name} has no help"
+
+
+def test_readme_route_your_input_snippet_names_each_rows_task(tmp_path):
+    """The README's snippet, run as written on a model.pt (here: random routers on the tiny model),
+    prints one line per input: its task name, its Ω_MSR and its modes."""
+    import torch
+
+    import elastic_attention
+    import tasks
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
+    torch.manual_seed(0)
+    model = elastic_attention.Transformer(elastic_attention.Config.preset("tiny", vocab_size=tasks.VOCAB_SIZE))
+    model.attach_routers()
+    elastic_attention.save_checkpoint(str(tmp_path / "model.pt"), model)
+    assert '"runs/smoke-FA-SSA-seed0/model.pt"' in code
+    code = code.replace('"runs/smoke-FA-SSA-seed0/model.pt"', repr(str(tmp_path / "model.pt")))
+    proc = run("-c", code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert sorted(line.split()[0] for line in lines) == ["passkey", "periodic"], proc.stdout
+    assert all("Ω_MSR" in line for line in lines), proc.stdout
