@@ -104,7 +104,7 @@ def ctrl_c(args, header=1):
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_router.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
-        header -= line.startswith("step | loss")
+        header -= "step | loss" in line  # the header of a training loop (routers: or static gates:)
         if not header:
             break
     proc.send_signal(signal.SIGINT)
