@@ -8,8 +8,9 @@ its tokenizer and chat format, and a real-text task suite in the batch contract 
     model     from_gguf(path, **config_overrides) -> (Transformer, Tokenizer)
                                                       dequantised to float32 (cast it yourself)
     tasks     TASKS, TASK_NAMES, SENSITIVE, ROBUST, get_task(name)
+    text      fetch_news(cache_dir=None) -> path, load_text(split, haystack), text_fingerprint(haystack)
               make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train",
-                         window=256, sink=64, depth=None) -> dict of CPU tensors
+                         window=256, sink=64, depth=None, haystack="news") -> dict of CPU tensors
               answer_accuracy(logits, targets), nll(logits, targets) -> (B,)
               scored_positions(targets), uniform_modes(model, B, mode)
               forward_scored(model, batch, modes=None) -> logits only where a token is scored
@@ -29,12 +30,14 @@ the prompt after the fixed chat preamble (pool_skip, read off the tokenizer): th
 start of the user turn, the question and the assistant header at the end (METHOD.md §4), which is
 what a real prompt tells the router about its task.
 
-Text: the prose of the Python language reference as shipped inside the standard library
-(`pydoc_data.topics`, © Python Software Foundation, PSF License v2; ~80 topics, ~40K tokens of
-prose once headings, code, grammar and tables are dropped). It installs with Python, so a machine
-without network needs nothing extra; its exact text varies a little between Python versions
-(`text_fingerprint()` names the one used). Every third topic is held out: evaluation haystacks
-(~13K tokens of text) never share a paragraph with training ones (~29K).
+Text ("haystack"): "news", 300 short news reports (~78K tokens), the Lee corpus (Lee, Pincombe &
+Welsh 2005) as the gensim 4.4.0 wheel ships it in its test data: fetch_news pip-downloads that wheel
+once, keeps the one file and checks its sha256 (gensim is never installed). Narrative prose: nothing
+in it looks like a pass key or a secret word. Or "pydoc", the prose of the Python language reference
+inside the standard library (`pydoc_data.topics`, PSF License v2; ~40K tokens once headings, code,
+grammar and tables are dropped): technical prose, harder for streaming heads, and its `pass`
+statement meets the pass key. Every third report (pydoc: topic) is held out, so evaluation
+haystacks never share a paragraph with training ones; text_fingerprint() names the text used.
 
 Tasks (each a ChatML user turn: instruction, document, question; the assistant answers):
     passkey      sensitive  a 5-digit pass key at a random depth in the document

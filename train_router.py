@@ -6,18 +6,22 @@ the model becomes sparse where it can and keeps its retrieval heads where it mus
     python train_router.py                    # tiny preset, CPU, the shipped backbone (its time: RESULTS.md)
     python train_router.py --seeds 0,1,2      # three router seeds, then a mean ± sd table
     python train_router.py --preset gpu       # 4K-token tasks on one GPU (trains its own backbone)
-    python train_router.py --preset smollm2   # SmolLM2-135M on real text, one GPU (pip install -e ".[real]")
+    python train_router.py --preset smollm2   # SmolLM2-135M on news text, one GPU (pip install -e ".[real]")
     torchrun --nproc_per_node=2 train_router.py --preset gpu     # the same run on 2 GPUs (DDP)
 
 Stages, one after the other:
     1. backbone   train the model dense (every head FULL) on the task mix, or load one
-    2. routers    freeze it; train one router per layer + λ (hard-concrete gates, training mix,
-                  per-task targets); the routers read only the prompt, never the answer
-    3. evaluate   held-out samples per task: dense, Elastic, a static retrieval-score hybrid at the
-                  routers' mean Ω_MSR, all-sparse, and the progressive-sparsification curve
-    4. static     the trained static baseline: one learned gate per KV head (DuoAttention /
-                  PruLong), same gate, loop and steps, one target = the routers' mean Ω_MSR from 3
-    5. report     runs/<name>/: results.json, model.pt (backbone + routers), router.pt (to resume),
+    2. settings   what the routers are trained with; --resume refuses any other
+    3. calibrate  training-text prompts the loop never reaches: retrieval scores, the 'auto'
+                  sensitive target, the routers' input statistics
+    4. routers    freeze the backbone; train one router per layer + λ (hard-concrete gates, training
+                  mix, per-task targets); the routers read only the prompt, never the answer
+    5. evaluate   held-out samples per task: dense, Elastic, fixed head sets at Elastic's mean Ω_MSR
+                  (retrieval score, the routers' own set), the per-category oracle, the swap control,
+                  all-sparse, the static frontiers; again at the longest length the dense model holds
+    6. static     the trained static baseline: one learned gate per KV head (DuoAttention /
+                  PruLong), same gate and loop, target = Elastic's mean Ω_MSR, deployed by rank
+    7. report     runs/<name>/: results.json, model.pt (backbone + routers), router.pt (to resume),
                   static.pt, plots; a results table on stdout
 
 Afterwards, route your own input with the trained routers:
@@ -127,7 +131,7 @@ g.add_argument("--targets", help="Ω_MSR targets 'sensitive,robust'; sensitive m
 g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
                help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
 g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
-g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 4)")
+g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 6)")
 g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
 g = parser.add_argument_group("machine")
 g.add_argument("--device", help="cpu, cuda or cuda:N (tiny: cpu; gpu, smollm2: cuda)")
@@ -437,7 +441,7 @@ backbone_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 log(f"backbone: {backbone_source}")
 
 # -----------------------------------------------------------------------------
-# 2. Routers (and, in stage 4, the trained static gate): frozen backbone, the same loop for both (METHOD.md §5, §6).
+# 2. Routers (and, in stage 6, the trained static gate): frozen backbone, the same loop for both (METHOD.md §5, §6).
 # Everything a run depends on is saved in its checkpoint; --resume refuses to mix settings.
 
 settings = dict(config=asdict(cfg), seed=args.seed, steps=P["steps"], batch_size=B, router_lr=P["router_lr"],
