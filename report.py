@@ -110,7 +110,7 @@ def plots(summary, out_dir):
         return
     res, tasks, cats, metrics = summary["results"], list(summary["tasks"]), summary["tasks"], summary["metrics"]
     targets = dict(zip(("sensitive", "robust"), summary["settings"]["targets"]))
-    targets["sensitive"] = summary.get("calibration", {}).get("sensitive_target", targets["sensitive"])  # 'auto
+    targets["sensitive"] = summary.get("calibration", {}).get("sensitive_target", targets["sensitive"])  # resolves 'auto'
     title = f"{summary['preset']} {summary['settings']['config']['head_config']}, seed {summary['seed']}"
 
     # 1. Which heads each task keeps FULL (paper Fig. 6).

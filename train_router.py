@@ -765,12 +765,14 @@ def full_rate(names):
     return torch.tensor([routed_calib[t]["full_frac"] for t in names]).mean(0).flatten()
 
 
-# Least often FULL first; ties in favour of the head with the higher retrieval score staying FULL.
-router_order = torch.tensor(sorted(range(n_heads_total), key=lambda h: (full_rate(task_names)[h].item(),
-                                                                         retrieval.flatten()[h].item())))
-category_order = {c: torch.tensor(sorted(range(n_heads_total), key=lambda h: (
-    full_rate([t for t in task_names if category[t] == c])[h].item(), retrieval.flatten()[h].item())))
-    for c in ("sensitive", "robust")}
+def rank_by_full_rate(names):
+    """Heads least often FULL first; ties in favour of the higher retrieval score staying FULL."""
+    rate, score = full_rate(names).tolist(), retrieval.flatten().tolist()
+    return torch.tensor(sorted(range(n_heads_total), key=lambda h: (rate[h], score[h])))
+
+
+router_order = rank_by_full_rate(task_names)
+category_order = {c: rank_by_full_rate([t for t in task_names if category[t] == c]) for c in ("sensitive", "robust")}
 
 # -----------------------------------------------------------------------------
 # 5. Evaluate on held-out inputs. Every method is a way of choosing each head's mode; the routers
