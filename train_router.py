@@ -79,18 +79,21 @@ PRESETS = {
     # recall on short inputs, where it is cheap, then is length-extended.
     "gpu": dict(suite="synthetic", model="gpu", seq_len=4096, device="cuda", backend="auto", backbone=None,
                 backbone_stages=[(256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)],
-                batch_size=16, steps=300, router_lr=2e-3, static_lr=2e-3, lambda_lr=1e-2, eval_per_task=64,
-                eval_batch=16, curve_points=11),
+                batch_size=16, steps=300, router_lr=5e-4, clip=5.0, logit_penalty=0.01, loss="balanced",
+                router_norm=True, targets=(0.7, 0.95), static_steps=150, static_lr=2e-2, lambda_lr=2e-2,
+                eval_per_task=64, eval_batch=16, curve_points=11),
     # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, news prose, routers
     # trained at 4K tokens and evaluated at 4K, 6K and 8K. The routers get the authors' budget (lr 5e-4,
     # clipping 5) so that their logits stay where the gate passes gradient, their inputs standardised,
-    # and a loss that weighs every task alike; the sensitive target is read off the static frontier.
+    # and a loss that weighs every task alike. The sensitive target is where the static frontier of
+    # the best ranking still holds dense accuracy (RESULTS.md); a robust target below 1 can be met,
+    # and λ moves ~lr per step (Adam), so its lr sets how far the targets can pull in 300 steps.
     # The static gates (one logit per head; Adam moves it ~lr per step) get DuoAttention's gate lr 2e-2.
     "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 6144, 8192),
                     device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=300,
-                    router_lr=5e-4, clip=5.0, logit_penalty=0.01, loss="balanced", router_norm=True, targets=("auto", 0.95),
-                    static_steps=150, static_lr=2e-2, lambda_lr=1e-2, eval_per_task=64, eval_batch=8,
-                    calib_per_task=32, curve_points=6),
+                    router_lr=5e-4, clip=5.0, logit_penalty=0.01, loss="balanced", router_norm=True,
+                    targets=(0.6, 0.95), static_steps=150, static_lr=2e-2, lambda_lr=2e-2, eval_per_task=64,
+                    eval_batch=8, calib_per_task=32, curve_points=6),
 }
 # --smoke: the tiny preset cut down to a quick look (the numbers mean little).
 SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
@@ -658,7 +661,11 @@ def evaluate(choose=None, seq_len=S, names=None, split="eval"):
         if modes is not None and modes.dim() == 2:
             modes = modes.unsqueeze(1).expand(-1, b["tokens"].shape[0], -1)
         logits, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"), prompt_lengths=b["prompt_len"])
-        score = suite.nll(logits, b["targets"]) if metric[name] == "nll" else suite.answer_accuracy(logits, b["targets"])
+        targets = b["targets"]
+        if P["suite"] == "smollm2":  # score at the answer positions only: (B, S, 49152) in float32 would not fit
+            pos, targets = suite.scored_positions(targets)
+            logits = logits[torch.arange(len(pos), device=device)[:, None], pos]
+        score = suite.nll(logits, targets) if metric[name] == "nll" else suite.answer_accuracy(logits, targets)
         mine.append((name, score.float().cpu(), info["omega_msr"].float().cpu(), info["omega_esr"].float().cpu(),
                      info["omega_esr_last"].float().cpu(), torch.stack(info["z"]).float().cpu()))
     parts = [mine]
