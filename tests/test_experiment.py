@@ -320,7 +320,7 @@ def test_shipped_backbone_solves_every_task_dense():
                          margin=tasks.relay_margin(cfg.n_layers, cfg.window))
         with torch.no_grad():
             logits, _ = model(b["tokens"])
-        acc = tasks.answer_accuracy(logits, b["targets"]).mean().item()
+        acc = tasks.token_accuracy(logits, b["targets"]).mean().item()
         assert acc >= 0.95, f"{task.name}: dense accuracy {acc:.3f}"
 
 

@@ -230,7 +230,7 @@ def test_streaming_oracle_cannot_beat_chance_on_sensitive_tasks(seq_len, window,
 # Scoring helpers.
 
 
-def test_answer_accuracy_counts_argmax_hits_over_answer_tokens_only():
+def test_token_accuracy_counts_argmax_hits_over_answer_tokens_only():
     targets = torch.full((2, 5), tasks.IGNORE)
     targets[0, 1], targets[0, 3] = 7, 9
     targets[1, 0] = 4
@@ -239,7 +239,7 @@ def test_answer_accuracy_counts_argmax_hits_over_answer_tokens_only():
     logits[0, 3, 8] = 1.0   # wrong
     logits[1, 0, 4] = 1.0   # right
     logits[:, 2, 5] = 9.0   # a non-answer position, ignored whatever it predicts
-    acc = tasks.answer_accuracy(logits, targets)
+    acc = tasks.token_accuracy(logits, targets)
     assert acc.tolist() == [0.5, 1.0]
 
 
@@ -247,7 +247,7 @@ def test_perfect_logits_score_one_on_a_real_batch():
     b = tasks.make_batch(None, 10, 200, 32, 4, seed=0)
     safe = b["targets"].clamp(min=0)
     logits = torch.nn.functional.one_hot(safe, tasks.VOCAB_SIZE).float()  # (B, S, V)
-    assert (tasks.answer_accuracy(logits, b["targets"]) == 1.0).all()
+    assert (tasks.token_accuracy(logits, b["targets"]) == 1.0).all()
 
 # -----------------------------------------------------------------------------
 # Bad input.
