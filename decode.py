@@ -48,18 +48,11 @@ Shape letters: B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, D head dim,
 layer's buffer, T tokens so far, BLOCK_N keys per tile, BLOCK_G query rows per tile (G padded).
 """
 import math
-import os  # TRITON_INTERPRET=1 runs the kernels on the CPU
 
 import torch
 
+from kernels import HAS_TRITON, check_backend, interpreting, resolve_backend, tl, triton, triton_unsupported
 from masks import STREAMING, check_sparse_params, masked_attention
-
-try:
-    import triton
-    import triton.language as tl
-    _HAS_TRITON = True
-except ImportError:  # the reference path needs only torch
-    _HAS_TRITON = False
 
 # -----------------------------------------------------------------------------
 # The cache.
@@ -87,8 +80,7 @@ class KVCache:
         check_sparse_params(sink, window)
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
-        if backend not in ("auto", "reference", "triton"):
-            raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+        check_backend(backend)
         self.sink, self.window, self.max_len, self.head_dim = sink, window, max_len, head_dim
         self.B, self.n_kv_heads = modes[0].shape
         self.backend, self.n_tokens = backend, 0
@@ -148,12 +140,9 @@ class KVCache:
     def attend(self, layer, q, n_tokens):
         """Decode attention of q (B, Hq, D) over the first n_tokens positions → (B, Hq, D)."""
         args = (q, self.k[layer], self.v[layer], self.start[layer], self.cap[layer], n_tokens)
-        backend = self.backend
-        if backend == "auto":  # the kernel on a GPU in its dtypes; the naive twin otherwise
-            backend = "triton" if q.is_cuda and _HAS_TRITON and q.dtype in _KERNEL_DTYPES else "reference"
-        if backend == "triton":
+        if resolve_backend(self.backend, q.dtype, q.is_cuda, self.head_dim) == "triton":
             return decode_attention(*args, max_cap=self.max_cap[layer])
-        return decode_attention_reference(*args)
+        return decode_attention_reference(*args)   # "torch" too: decode has no better torch path
 
     def nbytes(self):
         """Bytes of K and V held, all layers and samples."""
@@ -200,9 +189,7 @@ def decode_attention_reference(q, k, v, start, cap, n_tokens):
     return out[:, :, 0]                                            # (B, Hq, D)
 
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-if _HAS_TRITON:
+if HAS_TRITON:
     _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: turns the log2-domain LSE back into natural log
 
     @triton.jit(do_not_specialize=["n_tokens", "keys_per_split", "H_KV", "G"])
@@ -304,8 +291,7 @@ if _HAS_TRITON:
 
 def _decode_config(interpret):
     """(BLOCK_N, num_warps, num_stages, min keys per split). GPU: 128-key tiles (32 KB of K and of V
-    at D = 128, bf16) with 3 stages of prefetch, the fastest of six configs on an H200 (bench.py
-    --decode --decode-tune; RESULTS.md); a split is at least 256 keys, so its partial output
+    at D = 128, bf16) with 3 stages of prefetch; a split is at least 256 keys, so its partial output
     (G·D fp32, written and read again) is a few percent of the K/V it reads. Interpreter: small tiles
     and splits, so that short test caches still cross several tiles and splits."""
     if interpret:
@@ -324,19 +310,11 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, keys_per_sp
     were as long as the longest (at least the config's minimum); config = (BLOCK_N, num_warps,
     num_stages, min keys per split) overrides _decode_config.
     """
-    if not _HAS_TRITON:
-        raise RuntimeError("decode_attention needs triton; use decode_attention_reference")
     B, Hq, Hkv, D = check_decode_inputs(q, k, v, start, cap, n_tokens)
-    if q.dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"decode_attention supports float16, bfloat16 and float32, got {q.dtype}")
-    if not 1 <= D <= 256:
-        raise ValueError(f"head dim D={D} out of range: the decode kernel supports D <= 256")
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if not q.is_cuda and not interpret:
-        raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA tensors "
-                         "(or TRITON_INTERPRET=1 set before importing triton, to run it on the CPU)")
-    if interpret and q.dtype == torch.bfloat16:
-        raise ValueError("the Triton CPU interpreter does not support bfloat16; use float16/float32")
+    reason = triton_unsupported(q.dtype, q.is_cuda, D)
+    if reason is not None:
+        raise ValueError(f"decode_attention: {reason}")
+    interpret = interpreting()
     G = Hq // Hkv
     BLOCK_N, num_warps, num_stages, min_split = config or _decode_config(interpret)
     live_max = min(int(cap.max()) if max_cap is None else max_cap, n_tokens)

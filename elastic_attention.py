@@ -50,7 +50,7 @@ HEAD_CONFIGS = {
     "XA-XA": (BLOCK_SPARSE, BLOCK_SPARSE),  # both sides XAttention: the router changes nothing; a baseline
 }
 GATES = ("hard-concrete", "gumbel")
-BACKENDS = kernels.BACKENDS  # "auto", "reference", "torch", "triton": see kernels.hybrid_attention
+BACKENDS = kernels.BACKENDS  # "auto", "reference", "torch", "triton": see kernels.py, section 1
 
 
 @dataclass
@@ -80,8 +80,9 @@ class Config:
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
     pool_skip: int = 0             # leading tokens every prompt shares (a chat system turn): not pooled
     gate: str = "hard-concrete"    # training gate (METHOD.md §5); "gumbel" = the paper's Gumbel-softmax
-    # Which attention code runs (kernels.hybrid_attention): "auto" = the Triton kernel on CUDA when it
-    # supports the call, PyTorch otherwise; "torch"; "triton" (on a CPU: TRITON_INTERPRET=1); "reference".
+    # Which attention code runs, for prefill, XAttention scoring and decode alike (kernels.BACKENDS):
+    # "auto" = the Triton kernels on CUDA where they support the call, PyTorch otherwise; "torch";
+    # "triton" (on a CPU: TRITON_INTERPRET=1); "reference" (the naive twins).
     backend: str = "auto"
 
     def __post_init__(self):
@@ -99,8 +100,7 @@ class Config:
             raise ValueError(f"xa_stride {self.xa_stride} does not divide block_size {self.block_size}")
         if self.gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        kernels.check_backend(self.backend)
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -306,9 +306,9 @@ class Attention(nn.Module):
             needs_xa = bool((modes == BLOCK_SPARSE).any())
         block_mask = None
         if needs_xa:
-            xa_lengths = {} if lengths is None else dict(lengths=lengths)
-            block_mask = xattention.xattention_block_mask(q, k, self.cfg.block_size, self.cfg.xa_stride,
-                                                          self.cfg.xa_threshold, **xa_lengths)  # (B, Hkv, nB, nB)
+            c = self.cfg
+            block_mask = xattention.xattention_block_mask(q, k, c.block_size, c.xa_stride, c.xa_threshold,
+                                                          c.backend, lengths)                 # (B, Hkv, nB, nB)
 
         # 3. Attention. Training mix (METHOD.md §5): both outputs, O = z·O_full + (1 − z)·O_sparse.
         # With a hard z the forward is exactly the hybrid model, and d O / d z = O_full − O_sparse.
