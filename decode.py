@@ -52,7 +52,8 @@ import math
 import torch
 
 from kernels import HAS_TRITON, check_backend, interpreting, resolve_backend, tl, triton, triton_unsupported
-from masks import STREAMING, check_sparse_params, masked_attention
+import masks
+from masks import BLOCK_SPARSE, FULL, STREAMING, check_sparse_params, masked_attention
 
 # -----------------------------------------------------------------------------
 # The cache.
@@ -128,10 +129,14 @@ class KVCache:
         if diff:
             raise ValueError(f"KV cache was built for another config (cache, model): {diff}")
 
-    def write(self, layer, pos, k, v):
-        """Store the K/V of position pos: k, v (B, Hkv, 1, D)."""
+    def check_position(self, pos):
+        """The next position to write is the one after the tokens held, and it must fit."""
         if pos != self.n_tokens or pos >= self.max_len:
             raise ValueError(f"position {pos}: the cache holds {self.n_tokens} tokens of at most {self.max_len}")
+
+    def write(self, layer, pos, k, v):
+        """Store the K/V of position pos: k, v (B, Hkv, 1, D)."""
+        self.check_position(pos)
         slot = torch.where(self.stream[layer], ring_row(pos, self.sink, self.window), pos)  # (B, Hkv)
         rows = (self.start[layer] + slot).flatten()                                         # (B·Hkv,)
         self.k[layer].index_copy_(0, rows, k.reshape(-1, self.head_dim))                     # (B·Hkv, D)
@@ -146,6 +151,60 @@ class KVCache:
 
     def nbytes(self):
         """Bytes of K and V held, all layers and samples."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class FullKVCache:
+    """The reference KVCache is tested against, with the same interface (from_prefill, write, attend,
+    check_config, n_tokens): every head keeps every token, (B, Hkv, max_len, D) per layer, and a
+    one-row mask from masks.hybrid_mask hides what a head may not see. Attention is always the naive
+    masked_attention, whatever the model's backend."""
+
+    def __init__(self, modes, sink, window, max_len, head_dim, dtype, device):
+        check_sparse_params(sink, window)
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+        self.sink, self.window, self.max_len, self.head_dim = sink, window, max_len, head_dim
+        self.B, self.n_kv_heads = modes[0].shape
+        # At decode a BLOCK_SPARSE head sees its whole cache, like a FULL one (module docstring).
+        self.modes = [torch.where(m == BLOCK_SPARSE, FULL, m).to(device) for m in modes]   # (B, Hkv) each
+        shape = (self.B, self.n_kv_heads, max_len, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in modes]          # (B, Hkv, T, D)
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in modes]
+        self.n_tokens = 0
+
+    @classmethod
+    def from_prefill(cls, ks, vs, modes, sink, window, max_len):
+        """A cache holding a prompt: ks, vs per layer (B, Hkv, S, D) after RoPE; modes per layer (B, Hkv)."""
+        B, Hkv, S, D = ks[0].shape
+        if S > max_len:
+            raise ValueError(f"prompt of {S} tokens does not fit a cache of max_len {max_len}")
+        cache = cls(modes, sink, window, max_len, D, ks[0].dtype, ks[0].device)
+        for l, (k, v) in enumerate(zip(ks, vs)):
+            cache.k[l][:, :, :S] = k
+            cache.v[l][:, :, :S] = v
+        cache.n_tokens = S
+        return cache
+
+    # The same checks as the compact cache: they read only the fields both classes have.
+    check_config = KVCache.check_config
+    check_position = KVCache.check_position
+
+    def write(self, layer, pos, k, v):
+        """Store the K/V of position pos: k, v (B, Hkv, 1, D)."""
+        self.check_position(pos)
+        self.k[layer][:, :, pos:pos + 1] = k
+        self.v[layer][:, :, pos:pos + 1] = v
+
+    def attend(self, layer, q, n_tokens):
+        """Attention of q (B, Hq, D), the query at position n_tokens - 1, over the first n_tokens → (B, Hq, D)."""
+        mask = masks.hybrid_mask(n_tokens, self.modes[layer], self.sink, self.window,
+                                 q_idx=torch.tensor([n_tokens - 1]))                  # (B, Hkv, 1, n_tokens)
+        k, v = self.k[layer][:, :, :n_tokens], self.v[layer][:, :, :n_tokens]          # (B, Hkv, n_tokens, D)
+        return masked_attention(q[:, :, None], k, v, mask)[:, :, 0]                   # (B, Hq, D)
+
+    def nbytes(self):
+        """Bytes of K and V held, all layers and samples: full_cache_bytes."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 

@@ -53,17 +53,16 @@ def decode_run(model, idx, new, modes, cache="compact", backend="reference"):
     c = model.cfg
     logits, info = model(idx, modes=modes)
     recs = info["records"]
+    prefill = ([r["k"] for r in recs], [r["v"] for r in recs], info["modes"], c.sink, c.window, idx.shape[1] + new)
     if cache == "compact":
-        kv = decode.KVCache.from_prefill([r["k"] for r in recs], [r["v"] for r in recs],
-                                         [r["modes"] for r in recs], c.sink, c.window,
-                                         idx.shape[1] + new, backend=backend)
+        kv = decode.KVCache.from_prefill(*prefill, backend=backend)
     else:
-        kv = [(r["k"], r["v"]) for r in recs]
+        kv = decode.FullKVCache.from_prefill(*prefill)
     out, steps = idx, []
     for _ in range(new):
         steps.append(logits[:, -1])
         out = torch.cat([out, steps[-1].argmax(-1, keepdim=True)], dim=1)
-        logits, kv = model.decode_step(out[:, -1:], out.shape[1] - 1, kv, info)
+        logits = model.decode_step(out[:, -1:], out.shape[1] - 1, kv)
     return out, steps
 
 # ----------------------------------------------------------------------------------------------
@@ -246,15 +245,15 @@ def test_bad_input():
                                            [r["modes"] for r in recs], c.sink, c.window, max_len)
     tok = idx[:, :1]
     with pytest.raises(ValueError, match="position 256 outside \\[0, max_seq_len=256\\)"):
-        model.decode_step(tok, 256, cache_for(cfg), info)
+        model.decode_step(tok, 256, cache_for(cfg))
     with pytest.raises(ValueError, match="cache holds 6 tokens of 2 samples; got position 8"):
-        model.decode_step(tok, 8, cache_for(cfg), info)
+        model.decode_step(tok, 8, cache_for(cfg))
     full = cache_for(cfg, max_len=6)  # room for the prompt only: position 6 does not fit
     with pytest.raises(ValueError, match="position 6: the cache holds 6 tokens of at most 6"):
-        model.decode_step(tok, 6, full, info)
+        model.decode_step(tok, 6, full)
     other = tiny(window=7)            # a cache built for another config is refused
     with pytest.raises(ValueError, match="another config .*'window': \\(5, 7\\)"):
-        model_and_tokens(other, 2, 6)[0].decode_step(tok, 6, cache_for(cfg), info)
+        model_and_tokens(other, 2, 6)[0].decode_step(tok, 6, cache_for(cfg))
     with pytest.raises(ValueError, match="does not fit a cache of max_len 4"):
         cache_for(cfg, max_len=4)
 
