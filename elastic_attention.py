@@ -295,7 +295,7 @@ class Attention(nn.Module):
         return kernels.hybrid_attention(q, k, v, modes, c.sink, c.window, block_mask, c.block_size, c.backend)
 
     def decode(self, q, k, v, cache):
-        """One new token per sample against the KV cache (decode.KVCache or FullKVCache), in the modes
+        """One new token per sample against the KV cache (decode.KVCache or decode.FullKVCache), in the modes
         the prefill decided: q (B, Hq, 1, D), k, v (B, Hkv, 1, D) → (B, Hq, D)."""
         pos = cache.n_tokens
         cache.write(self.layer_idx, pos, k, v)
