@@ -323,7 +323,8 @@ def test_lse_is_an_output_not_a_gradient_path():
 # Which backend runs a call: the kernel's limits, never grad mode.
 
 def test_auto_falls_back_to_torch_outside_the_kernel_limits_on_cuda():
-    """On CUDA, auto used to pick Triton for head_dim 8 (a model that works on CPU) and raise."""
+    """On CUDA, auto picks torch wherever the kernel cannot run (a head_dim 8 model works on CPU, so it
+    must on CUDA too): it never raises."""
     def pick(backend, dtype, head_dim, block_size, has_block_mask, on_cuda):
         return kernels.resolve_backend(backend, dtype, on_cuda, head_dim, min_head_dim=16,
                                        block_size=block_size if has_block_mask else None)

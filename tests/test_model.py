@@ -171,6 +171,25 @@ def test_logits_at_positions_equal_the_full_grid():
         model(idx, rows_at=torch.tensor([[1, 2]]))
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_config_backend_reaches_xattention_scoring_and_decode(backend, monkeypatch):
+    """Config.backend is the one choice for prefill, XAttention scoring and the decode cache."""
+    import decode
+    import xattention
+    seen = []
+    score = xattention.xattention_scores
+    monkeypatch.setattr(xattention, "xattention_scores",
+                        lambda q, k, bs, stride, backend, lengths: seen.append(("xa", backend))
+                        or score(q, k, bs, stride, backend, lengths))
+    attend = decode.KVCache.attend
+    monkeypatch.setattr(decode.KVCache, "attend",
+                        lambda self, *args: seen.append(("decode", self.backend)) or attend(self, *args))
+    cfg = tiny(head_config="FA-XA", xa_threshold=0.5, backend=backend)
+    model, idx = model_and_tokens(cfg, 2, 40)
+    model.generate(idx, 2, modes=torch.full((cfg.n_layers, 2, cfg.n_kv_heads), masks.BLOCK_SPARSE))
+    assert set(seen) == {("xa", backend), ("decode", backend)}
+
+
 def test_omega_msr_and_esr_hand_computed():
     cfg = tiny(n_layers=2, n_kv_heads=2, n_heads=2, sink=1, window=1)
     model, idx = model_and_tokens(cfg, 1, 4)
