@@ -36,9 +36,10 @@ not care about order, so decode attention reads rows start … start + min(n, ca
 and needs no mask at all. The mode lives only in (start, cap), fixed at prefill; the kernel is the
 same walk for every head, and a STREAMING head's walk is short. Memory per sample: Σ_heads cap·D
 rows of K and of V; against a full cache of T_max rows per head, a fraction f of STREAMING heads
-saves exactly f·(1 - (sink + window) / T_max) (nbytes against full_cache_bytes). FullKVCache, with the same interface,
-keeps every token of every head and masks at attention time: the reference the compact cache is
-tested against.
+saves exactly f·(1 - (sink + window) / T_max) (nbytes against full_cache_bytes).
+
+FullKVCache, with the same interface, keeps every token of every head and masks at attention time:
+the reference the compact cache is tested against.
 
 Decode attention (flash-decoding, split-K): one query token per sample. Program (split, b, h) takes
 the G query heads that share KV head h (GQA: they share every K/V tile it loads) against one

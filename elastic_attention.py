@@ -295,8 +295,8 @@ class Attention(nn.Module):
         return kernels.hybrid_attention(q, k, v, modes, c.sink, c.window, block_mask, c.block_size, c.backend)
 
     def decode(self, q, k, v, cache):
-        """One new token per sample against the KV cache (decode.KVCache or decode.FullKVCache), in the modes
-        the prefill decided: q (B, Hq, 1, D), k, v (B, Hkv, 1, D) → (B, Hq, D)."""
+        """One new token per sample against the KV cache (decode.KVCache or decode.FullKVCache), in
+        the modes the prefill decided: q (B, Hq, 1, D), k, v (B, Hkv, 1, D) → (B, Hq, D)."""
         pos = cache.n_tokens
         cache.write(self.layer_idx, pos, k, v)
         return cache.attend(self.layer_idx, q[:, :, 0], pos + 1)
@@ -523,6 +523,7 @@ class Transformer(nn.Module):
         tokens (tasks.retrieval_scores)."""
         B = idx.shape[0]
         full = torch.full((self.cfg.n_layers, B, self.cfg.n_kv_heads), FULL, dtype=torch.int32, device=idx.device)
+        # The rows need no logits: the LM head runs at one position per sample, not over (B, S, V).
         _, info = self.forward(idx, modes=full, rows_at=positions, logits_at=positions[:, None])
         return info["rows"]
 

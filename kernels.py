@@ -2,7 +2,7 @@
 BLOCK_SPARSE, see masks.py), as one fused Triton kernel with its backward, beside the naive twins
 (METHOD.md §3, §7). Reads top to bottom:
 
-    1. which code can run a call: the Triton kernel's limits and the backend choice
+    1. which code runs a call: the backend vocabulary every kernel family shares, the Triton limits
     2. tile sizes and block lists (host side)
     3. forward:  hybrid_attention_reference (naive twin) → the key-tile walk → _hybrid_attention_fwd
     4. backward: hybrid_attention_reference_grad (naive twin) → the query-tile walk → dk/dv and dq kernels
@@ -875,15 +875,10 @@ def uniform_attention_sdpa(q, k, v, mode, sink, window, block_mask=None, block_s
 
 def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, backend="auto"):
     """Causal attention where each (sample, KV head) runs its own mode. q (B, Hq, S, D),
-    k/v (B, Hkv, S, D), modes int (B, Hkv). Returns (B, Hq, S, D) in q's dtype. Every backend is
-    differentiable; the choice never depends on grad mode:
-        "reference"  naive_attention on masks.hybrid_mask: any modes and dtypes (float64 too).
-        "torch"      torch SDPA when every head has one mode (BLOCK_SPARSE: with every diagonal
-                     block on), else "reference".
-        "triton"     the fused kernel (fused_hybrid_attention); a ValueError outside its limits
-                     (triton_unsupported).
-        "auto"       "triton" when q is on CUDA and the kernel supports the call, else "torch".
-    """
+    k/v (B, Hkv, S, D), modes int (B, Hkv). Returns (B, Hq, S, D) in q's dtype. backend as in
+    section 1: "reference" is hybrid_attention_reference, "triton" fused_hybrid_attention, "torch"
+    SDPA when every head has one mode (BLOCK_SPARSE: with every diagonal block on), else the
+    reference. Every backend is differentiable; the choice never depends on grad mode."""
     B, Hq, Hkv, S, D = check_qkv(q, k, v)
     check_sparse_params(sink, window, block_size)
     check_modes(modes, B, Hkv, device=q.device)
