@@ -36,7 +36,10 @@ not care about order, so decode attention reads rows start … start + min(n, ca
 and needs no mask at all. The mode lives only in (start, cap), fixed at prefill; the kernel is the
 same walk for every head, and a STREAMING head's walk is short. Memory per sample: Σ_heads cap·D
 rows of K and of V; against a full cache of T_max rows per head, a fraction f of STREAMING heads
-saves exactly f·(1 - (sink + window) / T_max) (cache_bytes).
+saves exactly f·(1 - (sink + window) / T_max) (nbytes against full_cache_bytes).
+
+FullKVCache, with the same interface, keeps every token of every head and masks at attention time:
+the reference the compact cache is tested against.
 
 Decode attention (flash-decoding, split-K): one query token per sample. Program (split, b, h) takes
 the G query heads that share KV head h (GQA: they share every K/V tile it loads) against one
@@ -48,18 +51,12 @@ Shape letters: B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, D head dim,
 layer's buffer, T tokens so far, BLOCK_N keys per tile, BLOCK_G query rows per tile (G padded).
 """
 import math
-import os  # TRITON_INTERPRET=1 runs the kernels on the CPU
 
 import torch
 
-from masks import STREAMING, check_sparse_params, masked_attention
-
-try:
-    import triton
-    import triton.language as tl
-    _HAS_TRITON = True
-except ImportError:  # the reference path needs only torch
-    _HAS_TRITON = False
+from kernels import HAS_TRITON, check_backend, interpreting, resolve_backend, tl, triton, triton_unsupported
+import masks
+from masks import BLOCK_SPARSE, FULL, STREAMING, check_sparse_params, masked_attention
 
 # -----------------------------------------------------------------------------
 # The cache.
@@ -87,8 +84,7 @@ class KVCache:
         check_sparse_params(sink, window)
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
-        if backend not in ("auto", "reference", "triton"):
-            raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+        check_backend(backend)
         self.sink, self.window, self.max_len, self.head_dim = sink, window, max_len, head_dim
         self.B, self.n_kv_heads = modes[0].shape
         self.backend, self.n_tokens = backend, 0
@@ -136,10 +132,14 @@ class KVCache:
         if diff:
             raise ValueError(f"KV cache was built for another config (cache, model): {diff}")
 
-    def write(self, layer, pos, k, v):
-        """Store the K/V of position pos: k, v (B, Hkv, 1, D)."""
+    def check_position(self, pos):
+        """The next position to write is the one after the tokens held, and it must fit."""
         if pos != self.n_tokens or pos >= self.max_len:
             raise ValueError(f"position {pos}: the cache holds {self.n_tokens} tokens of at most {self.max_len}")
+
+    def write(self, layer, pos, k, v):
+        """Store the K/V of position pos: k, v (B, Hkv, 1, D)."""
+        self.check_position(pos)
         slot = torch.where(self.stream[layer], ring_row(pos, self.sink, self.window), pos)  # (B, Hkv)
         rows = (self.start[layer] + slot).flatten()                                         # (B·Hkv,)
         self.k[layer].index_copy_(0, rows, k.reshape(-1, self.head_dim))                     # (B·Hkv, D)
@@ -148,15 +148,66 @@ class KVCache:
     def attend(self, layer, q, n_tokens):
         """Decode attention of q (B, Hq, D) over the first n_tokens positions → (B, Hq, D)."""
         args = (q, self.k[layer], self.v[layer], self.start[layer], self.cap[layer], n_tokens)
-        backend = self.backend
-        if backend == "auto":  # the kernel on a GPU in its dtypes; the naive twin otherwise
-            backend = "triton" if q.is_cuda and _HAS_TRITON and q.dtype in _KERNEL_DTYPES else "reference"
-        if backend == "triton":
+        if resolve_backend(self.backend, q.dtype, q.is_cuda, self.head_dim) == "triton":
             return decode_attention(*args, max_cap=self.max_cap[layer])
-        return decode_attention_reference(*args)
+        return decode_attention_reference(*args)   # "torch" too: decode has no better torch path
 
     def nbytes(self):
         """Bytes of K and V held, all layers and samples."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class FullKVCache:
+    """The reference KVCache is tested against, with the same interface (from_prefill, write, attend,
+    check_config, n_tokens): every head keeps every token, (B, Hkv, max_len, D) per layer, and a
+    one-row mask from masks.hybrid_mask hides what a head may not see. Attention is always the naive
+    masked_attention, whatever the model's backend."""
+
+    def __init__(self, modes, sink, window, max_len, head_dim, dtype, device):
+        check_sparse_params(sink, window)
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+        self.sink, self.window, self.max_len, self.head_dim = sink, window, max_len, head_dim
+        self.B, self.n_kv_heads = modes[0].shape
+        # At decode a BLOCK_SPARSE head sees its whole cache, like a FULL one (module docstring).
+        self.modes = [torch.where(m == BLOCK_SPARSE, FULL, m).to(device) for m in modes]   # (B, Hkv) each
+        shape = (self.B, self.n_kv_heads, max_len, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in modes]          # (B, Hkv, T, D)
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in modes]
+        self.n_tokens = 0
+
+    @classmethod
+    def from_prefill(cls, ks, vs, modes, sink, window, max_len):
+        """A cache holding a prompt: ks, vs per layer (B, Hkv, S, D) after RoPE; modes per layer (B, Hkv)."""
+        B, Hkv, S, D = ks[0].shape
+        if S > max_len:
+            raise ValueError(f"prompt of {S} tokens does not fit a cache of max_len {max_len}")
+        cache = cls(modes, sink, window, max_len, D, ks[0].dtype, ks[0].device)
+        for l, (k, v) in enumerate(zip(ks, vs)):
+            cache.k[l][:, :, :S] = k
+            cache.v[l][:, :, :S] = v
+        cache.n_tokens = S
+        return cache
+
+    # The same checks as the compact cache: they read only the fields both classes have.
+    check_config = KVCache.check_config
+    check_position = KVCache.check_position
+
+    def write(self, layer, pos, k, v):
+        """Store the K/V of position pos: k, v (B, Hkv, 1, D)."""
+        self.check_position(pos)
+        self.k[layer][:, :, pos:pos + 1] = k
+        self.v[layer][:, :, pos:pos + 1] = v
+
+    def attend(self, layer, q, n_tokens):
+        """Attention of q (B, Hq, D), the query at position n_tokens - 1, over the first n_tokens → (B, Hq, D)."""
+        mask = masks.hybrid_mask(n_tokens, self.modes[layer], self.sink, self.window,
+                                 q_idx=torch.tensor([n_tokens - 1]))                  # (B, Hkv, 1, n_tokens)
+        k, v = self.k[layer][:, :, :n_tokens], self.v[layer][:, :, :n_tokens]          # (B, Hkv, n_tokens, D)
+        return masked_attention(q[:, :, None], k, v, mask)[:, :, 0]                   # (B, Hq, D)
+
+    def nbytes(self):
+        """Bytes of K and V held, all layers and samples: full_cache_bytes."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
@@ -200,9 +251,7 @@ def decode_attention_reference(q, k, v, start, cap, n_tokens):
     return out[:, :, 0]                                            # (B, Hq, D)
 
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-if _HAS_TRITON:
+if HAS_TRITON:
     _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: turns the log2-domain LSE back into natural log
 
     @triton.jit(do_not_specialize=["n_tokens", "keys_per_split", "H_KV", "G"])
@@ -304,8 +353,7 @@ if _HAS_TRITON:
 
 def _decode_config(interpret):
     """(BLOCK_N, num_warps, num_stages, min keys per split). GPU: 128-key tiles (32 KB of K and of V
-    at D = 128, bf16) with 3 stages of prefetch, the fastest of six configs on an H200 (bench.py
-    --decode --decode-tune; RESULTS.md); a split is at least 256 keys, so its partial output
+    at D = 128, bf16) with 3 stages of prefetch; a split is at least 256 keys, so its partial output
     (G·D fp32, written and read again) is a few percent of the K/V it reads. Interpreter: small tiles
     and splits, so that short test caches still cross several tiles and splits."""
     if interpret:
@@ -324,19 +372,11 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, keys_per_sp
     were as long as the longest (at least the config's minimum); config = (BLOCK_N, num_warps,
     num_stages, min keys per split) overrides _decode_config.
     """
-    if not _HAS_TRITON:
-        raise RuntimeError("decode_attention needs triton; use decode_attention_reference")
     B, Hq, Hkv, D = check_decode_inputs(q, k, v, start, cap, n_tokens)
-    if q.dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"decode_attention supports float16, bfloat16 and float32, got {q.dtype}")
-    if not 1 <= D <= 256:
-        raise ValueError(f"head dim D={D} out of range: the decode kernel supports D <= 256")
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if not q.is_cuda and not interpret:
-        raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA tensors "
-                         "(or TRITON_INTERPRET=1 set before importing triton, to run it on the CPU)")
-    if interpret and q.dtype == torch.bfloat16:
-        raise ValueError("the Triton CPU interpreter does not support bfloat16; use float16/float32")
+    reason = triton_unsupported(q.dtype, q.is_cuda, D)
+    if reason is not None:
+        raise ValueError(f"decode_attention: {reason}")
+    interpret = interpreting()
     G = Hq // Hkv
     BLOCK_N, num_warps, num_stages, min_split = config or _decode_config(interpret)
     live_max = min(int(cap.max()) if max_cap is None else max_cap, n_tokens)

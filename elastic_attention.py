@@ -17,7 +17,7 @@ the method per block of code:
          inference: one hybrid call, each (sample, KV head) in its own mode
 
 Without routers (attach_routers() adds them) every head is FULL: the backbone. Two ways to skip the
-router by hand: modes=(L, B, Hkv) kernel modes, or gates=(L, B, Hkv) z values for the training mix.
+router by hand: modes=(L, B, Hkv) kernel modes, or z=(L, B, Hkv) gate values for the training mix.
 
 What "full" and "sparse" mean is the head configuration, {retrieval mode}-{sparse mode}: FA-SSA
 (default: dense vs streaming), FA-XA (dense vs XAttention block-sparse), XA-SSA (XAttention vs
@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import decode
 import kernels
 import masks
 import xattention
@@ -50,7 +51,7 @@ HEAD_CONFIGS = {
     "XA-XA": (BLOCK_SPARSE, BLOCK_SPARSE),  # both sides XAttention: the router changes nothing; a baseline
 }
 GATES = ("hard-concrete", "gumbel")
-BACKENDS = kernels.BACKENDS  # "auto", "reference", "torch", "triton": see kernels.hybrid_attention
+BACKENDS = kernels.BACKENDS  # "auto", "reference", "torch", "triton": see kernels.py, section 1
 
 
 @dataclass
@@ -80,8 +81,9 @@ class Config:
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
     pool_skip: int = 0             # leading tokens every prompt shares (a chat system turn): not pooled
     gate: str = "hard-concrete"    # training gate (METHOD.md §5); "gumbel" = the paper's Gumbel-softmax
-    # Which attention code runs (kernels.hybrid_attention): "auto" = the Triton kernel on CUDA when it
-    # supports the call, PyTorch otherwise; "torch"; "triton" (on a CPU: TRITON_INTERPRET=1); "reference".
+    # Which attention code runs, for prefill, XAttention scoring and decode alike (kernels.BACKENDS):
+    # "auto" = the Triton kernels on CUDA where they support the call, PyTorch otherwise; "torch";
+    # "triton" (on a CPU: TRITON_INTERPRET=1); "reference" (the naive twins).
     backend: str = "auto"
 
     def __post_init__(self):
@@ -99,8 +101,7 @@ class Config:
             raise ValueError(f"xa_stride {self.xa_stride} does not divide block_size {self.block_size}")
         if self.gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        kernels.check_backend(self.backend)
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -170,10 +171,10 @@ class Config:
 
 PRESETS = {
     # CPU experiments: a few hundred tokens, sink + window a small fraction of them. RoPE base
-    # 5e5 (Llama 3's): with 1e4 the batch-32 backbone runs stalled on the recall tasks.
+    # 5e5, Llama 3's: the base the tiny backbone learns the recall tasks with (RESULTS.md).
     "tiny": dict(rope_theta=500000.0),
     # One-GPU experiments: the tiny model's shape with 4K-token inputs, the paper's sink 128 /
-    # window 2048 (at 16K) scaled by 1/4. The shape is kept small so its backbone trains in minutes.
+    # window 2048 (at 16K) scaled by 1/4. The shape is kept small so that its backbone trains fast.
     # Pooling 16 tokens per end, as tiny: the synthetic tasks show themselves in the first 5 and the
     # last 13 tokens at any length, and 64 would average that with ~100 tokens of filler.
     "gpu": dict(rope_theta=500000.0, max_seq_len=4096, sink=32, window=512, block_size=64, xa_stride=16,
@@ -240,10 +241,23 @@ class MLP(nn.Module):
 # -----------------------------------------------------------------------------
 # Attention with per-(sample, KV head) modes.
 
+def attention_row(q, k, positions):
+    """Each head's dense causal attention probabilities at one query position per sample:
+    q (B, Hq, S, D), k (B, Hkv, S, D) after RoPE, positions (B,) → (B, Hq, S) float32, softmax of
+    q·k/√D over the keys j <= position (0 elsewhere), whatever mode the head runs."""
+    B, Hq, S, D = q.shape
+    qp = q[torch.arange(B, device=q.device), :, positions]                       # (B, Hq, D)
+    k = k.repeat_interleave(Hq // k.shape[1], dim=1)                              # (B, Hq, S, D)
+    scores = torch.einsum("bhd,bhsd->bhs", qp.float(), k.float()) / math.sqrt(D)  # (B, Hq, S)
+    visible = torch.arange(S, device=q.device).view(1, 1, S) <= positions.view(B, 1, 1)
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)     # (B, Hq, S)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer_idx):
         super().__init__()
         self.cfg = cfg
+        self.layer_idx = layer_idx  # which layer of a KV cache this attention writes and reads
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -280,12 +294,24 @@ class Attention(nn.Module):
         c = self.cfg
         return kernels.hybrid_attention(q, k, v, modes, c.sink, c.window, block_mask, c.block_size, c.backend)
 
-    def forward(self, x, cos, sin, modes=None, z=None, lengths=None, prompt_lengths=None, gate_noise=None):
+    def decode(self, q, k, v, cache):
+        """One new token per sample against the KV cache (decode.KVCache or decode.FullKVCache), in
+        the modes the prefill decided: q (B, Hq, 1, D), k, v (B, Hkv, 1, D) → (B, Hq, D)."""
+        pos = cache.n_tokens
+        cache.write(self.layer_idx, pos, k, v)
+        return cache.attend(self.layer_idx, q[:, :, 0], pos + 1)
+
+    def forward(self, x, cos, sin, modes=None, z=None, lengths=None, prompt_lengths=None, gate_noise=None,
+                rows_at=None, cache=None):
         """x (B, S, C) → (out (B, S, C), record). modes (B, Hkv) int or z (B, Hkv) in [0, 1] skip the
         router. lengths (B,): real tokens (the rest is padding); prompt_lengths (B,): tokens the router
-        may read. record: this layer's z, kernel modes, log α, block mask, and k/v for a KV cache."""
+        may read. rows_at (B,): also record each head's dense attention row there (attention_row).
+        cache: decode one token against it instead (record None). record: this layer's z, kernel
+        modes, log α, block mask, k/v for a KV cache, and the rows."""
         B, S, _ = x.shape
         q, k, v, k_pre = self.project(x, cos, sin)
+        if cache is not None:
+            return self.o_proj(self.decode(q, k, v, cache).reshape(B, 1, -1)), None   # (B, 1, Hq·D) → (B, 1, C)
         full_mode, sparse_mode = HEAD_CONFIGS[self.cfg.head_config]
 
         # 1-2. Route: the router reads the prompt's keys and a gate decides z per (sample, KV head).
@@ -306,9 +332,9 @@ class Attention(nn.Module):
             needs_xa = bool((modes == BLOCK_SPARSE).any())
         block_mask = None
         if needs_xa:
-            xa_lengths = {} if lengths is None else dict(lengths=lengths)
-            block_mask = xattention.xattention_block_mask(q, k, self.cfg.block_size, self.cfg.xa_stride,
-                                                          self.cfg.xa_threshold, **xa_lengths)  # (B, Hkv, nB, nB)
+            c = self.cfg
+            block_mask = xattention.xattention_block_mask(q, k, c.block_size, c.xa_stride, c.xa_threshold,
+                                                          c.backend, lengths)                 # (B, Hkv, nB, nB)
 
         # 3. Attention. Training mix (METHOD.md §5): both outputs, O = z·O_full + (1 − z)·O_sparse.
         # With a hard z the forward is exactly the hybrid model, and d O / d z = O_full − O_sparse.
@@ -323,15 +349,16 @@ class Attention(nn.Module):
         if z is None:  # given modes: a head is sparse iff it runs this configuration's sparse mode
             z = (modes != sparse_mode).to(q.dtype)                                             # (B, Hkv)
         out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)                  # (B, S, Hq·D)
-        record = dict(z=z, modes=modes, log_alpha=log_alpha, block_mask=block_mask, k=k, v=v, k_pre=k_pre)
+        record = dict(z=z, modes=modes, log_alpha=log_alpha, block_mask=block_mask, k=k, v=v, k_pre=k_pre,
+                      rows=None if rows_at is None else attention_row(q, k, rows_at))
         return self.o_proj(out), record
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer_idx):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -348,7 +375,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -398,8 +425,8 @@ class Transformer(nn.Module):
                              f"max {idx.max().item()}")
 
     def check_per_layer(self, name, values, B, device):
-        """modes / gates / gate_noise: one (B, Hkv) tensor per layer, as a list or an (L, B, Hkv)
-        tensor, on the tokens' device; modes integers, gates and noise real numbers in [0, 1]."""
+        """modes / z / gate_noise: one (B, Hkv) tensor per layer, as a list or an (L, B, Hkv)
+        tensor, on the tokens' device; modes integers, z and noise real numbers in [0, 1]."""
         L, Hkv = self.cfg.n_layers, self.cfg.n_kv_heads
         want = f"(L, B, Hkv) = ({L}, {B}, {Hkv})"
         if not (isinstance(values, torch.Tensor) or
@@ -415,54 +442,90 @@ class Transformer(nn.Module):
                 raise ValueError(f"{name} must be {kind} tensors on the tokens' device {device}, got {v.dtype} "
                                  f"on {v.device}")
         if name != "modes" and any(((v < 0) | (v > 1) | v.isnan()).any() for v in values):
-            raise ValueError(f"{name} must lie in [0, 1]" + (" (z = 1 FULL, 0 sparse)" if name == "gates" else ""))
+            raise ValueError(f"{name} must lie in [0, 1]" + (" (z = 1 FULL, 0 sparse)" if name == "z" else ""))
 
-    def check_lengths(self, name, lengths, B, S):
-        if lengths is None:
-            return
-        if (not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point
-                or lengths.dtype == torch.bool or tuple(lengths.shape) != (B,)):
-            raise ValueError(f"{name} must be an integer tensor of shape (B,) = ({B},), got {lengths!r}")
-        bad = (lengths < 1) | (lengths > S)
-        if bad.any():
-            raise ValueError(f"{name} must lie in [1, S={S}], got {lengths[bad].tolist()}")
+    def check_positions(self, name, positions, dims, B, S, device):
+        """rows_at (B,), logits_at (B, K): integer positions in [0, S) on the tokens' device."""
+        if (not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point
+                or positions.dtype == torch.bool or positions.dim() != dims or positions.shape[0] != B
+                or positions.device != device):
+            want = "(B,)" if dims == 1 else "(B, K)"
+            raise ValueError(f"{name} must be an integer tensor {want} with B={B} on the tokens' device "
+                             f"{device}, got {positions!r}")
+        if ((positions < 0) | (positions >= S)).any():
+            raise ValueError(f"{name} must be positions in [0, S={S}), got {positions.tolist()}")
 
-    def forward(self, idx, modes=None, gates=None, lengths=None, prompt_lengths=None, gate_noise=None):
-        """idx (B, S) → (logits (B, S, V), info). Routing follows the module docstring.
-
-        lengths (B,): real tokens per row (right padding after them changes no real token's output,
-        Ω_ESR counts real tokens only). prompt_lengths (B,): how many tokens the router reads — the
-        prompt, never the answer (default: lengths). gate_noise (L, B, Hkv): the training gates' uniform
-        noise (default: drawn from torch's RNG; data-parallel training passes each rank its rows of one
-        draw for the whole batch, so sharding does not change the gates). info: z, modes, log_alpha, block_mask (one entry
-        per layer), records, omega_msr (B,) = 1 − mean z over layers and KV heads (carries the gate's
-        gradient), omega_esr (B,) averaged over layers and omega_esr_last (B,) (METHOD.md §2).
-        """
-        self.check_tokens(idx)
-        B, S = idx.shape
-        if modes is not None and gates is not None:
-            raise ValueError("give modes or gates, not both")
-        for name, values in (("modes", modes), ("gates", gates), ("gate_noise", gate_noise)):
+    def check_inputs(self, B, S, device, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at):
+        """forward's arguments besides the tokens: a ValueError naming the first bad one."""
+        if modes is not None and z is not None:
+            raise ValueError("give modes or z, not both")
+        for name, values in (("modes", modes), ("z", z), ("gate_noise", gate_noise)):
             if values is not None:
-                self.check_per_layer(name, values, B, idx.device)
-        self.check_lengths("lengths", lengths, B, S)
-        self.check_lengths("prompt_lengths", prompt_lengths, B, S)
+                self.check_per_layer(name, values, B, device)
+        masks.check_lengths(lengths, B, S)
+        masks.check_lengths(prompt_lengths, B, S, name="prompt_lengths")
         if lengths is not None and prompt_lengths is not None and (prompt_lengths > lengths).any():
             raise ValueError(f"prompt_lengths must not exceed lengths (the router would pool padding), got "
                              f"{prompt_lengths.tolist()} and {lengths.tolist()}")
+        if rows_at is not None:
+            self.check_positions("rows_at", rows_at, 1, B, S, device)
+        if logits_at is not None:
+            self.check_positions("logits_at", logits_at, 2, B, S, device)
+
+    def forward(self, idx, modes=None, z=None, lengths=None, prompt_lengths=None, gate_noise=None,
+                rows_at=None, logits_at=None, cache=None):
+        """idx (B, S) → (logits (B, S, V), info). Routing follows the module docstring.
+
+        modes (L, B, Hkv) kernel modes, or z (L, B, Hkv) in [0, 1] (1 = FULL, mixed as in training):
+        skip the routers. lengths (B,): real tokens per row (right padding after them changes no real
+        token's output, Ω_ESR counts real tokens only). prompt_lengths (B,): how many tokens the router
+        reads — the prompt, never the answer (default: lengths). gate_noise (L, B, Hkv): the training
+        gates' uniform noise (default: drawn from torch's RNG; data-parallel training passes each rank
+        its rows of one draw for the whole batch, so sharding does not change the gates).
+        rows_at (B,): one query position per sample; info["rows"] (L, B, Hq, S) is then each head's
+        dense causal attention row there (attention_row), from every layer's input: with every head
+        FULL, the backbone's (attention_rows).
+        logits_at (B, K): positions; the LM head runs only there and logits is (B, K, V) (a large
+        vocabulary makes the (B, S, V) grid the biggest tensor of an evaluation).
+        cache: decode_step's KV cache; idx is then the token at position cache.n_tokens, every layer
+        writes its K/V and attends to the cache in the modes of the prefill, and info is None.
+
+        info: z, modes, log_alpha, block_mask (one entry per layer), records, rows, omega_msr (B,) =
+        1 − mean z over layers and KV heads (carries the gate's gradient), omega_esr (B,) averaged
+        over layers and omega_esr_last (B,) (METHOD.md §2).
+        """
+        self.check_tokens(idx)
+        B, S = idx.shape
+        self.check_inputs(B, S, idx.device, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at)
         if prompt_lengths is None:
             prompt_lengths = lengths
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
-        x = self.embed_tokens(idx)  # (B, S, C)
+        start = 0 if cache is None else cache.n_tokens      # decoding: the new token's position
+        cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]   # (S, D)
+        x = self.embed_tokens(idx)                                                    # (B, S, C)
         records = []
         for i, layer in enumerate(self.layers):
             x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
-                              z=None if gates is None else gates[i],
-                              lengths=lengths, prompt_lengths=prompt_lengths,
-                              gate_noise=None if gate_noise is None else gate_noise[i])
+                              z=None if z is None else z[i], gate_noise=None if gate_noise is None else gate_noise[i],
+                              lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache)
             records.append(record)
-        logits = self.lm_head(self.norm(x))  # (B, S, V)
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device)[:, None], logits_at]              # (B, K, C)
+        logits = self.lm_head(self.norm(x))                                           # (B, S or K, V)
+        if cache is not None:
+            cache.n_tokens = start + S
+            return logits, None
         return logits, self.summarize(records, S, lengths)
+
+    @torch.no_grad()
+    def attention_rows(self, idx, positions):
+        """The backbone's (every head FULL) attention probabilities of one query per sample: idx (B, S),
+        positions (B,) → (L, B, Hq, S) float32. A head's retrieval score is their mass on the evidence
+        tokens (tasks.retrieval_scores)."""
+        B = idx.shape[0]
+        full = torch.full((self.cfg.n_layers, B, self.cfg.n_kv_heads), FULL, dtype=torch.int32, device=idx.device)
+        # The rows need no logits: the LM head runs at one position per sample, not over (B, S, V).
+        _, info = self.forward(idx, modes=full, rows_at=positions, logits_at=positions[:, None])
+        return info["rows"]
 
     def summarize(self, records, S, lengths=None):
         c = self.cfg
@@ -472,6 +535,7 @@ class Transformer(nn.Module):
         return dict(
             records=records, z=[r["z"] for r in records], modes=[r["modes"] for r in records],
             log_alpha=[r["log_alpha"] for r in records], block_mask=[r["block_mask"] for r in records],
+            rows=None if records[0]["rows"] is None else torch.stack([r["rows"] for r in records]),  # (L, B, Hq, S)
             omega_msr=router_lib.omega_msr([r["z"] for r in records]), omega_esr=esr.mean(0),
             omega_esr_last=esr[-1])
 
@@ -486,40 +550,38 @@ class Transformer(nn.Module):
         Prefill decides every head's mode (the given modes, else the routers, else all FULL) and
         decoding reuses it (METHOD.md §7). cache="compact" (default): decode.KVCache, where a
         STREAMING head keeps only its sink + window tokens and decode attention reads only those
-        (the Triton kernel on a GPU). cache="full": every head keeps every token, and a one-row mask
-        from masks.hybrid_mask hides what a head may not see: the reference the compact cache is
-        tested against. In both, a BLOCK_SPARSE head attends to its whole cache at decode:
-        XAttention is a prefill method (the authors' decode attends the whole cache for every head)."""
+        (Config.backend picks the Triton kernel or its naive twin). cache="full": decode.FullKVCache,
+        the reference the compact cache is tested against. In both, a BLOCK_SPARSE head attends to
+        its whole cache at decode: XAttention is a prefill method (the authors' decode attends the
+        whole cache for every head)."""
+        c = self.cfg
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if cache not in ("compact", "full"):
             raise ValueError(f"cache must be 'compact' or 'full', got {cache!r}")
         self.check_tokens(idx)
         S = idx.shape[1]
-        if S + max_new_tokens > self.cfg.max_seq_len:
-            raise ValueError(f"{S} + {max_new_tokens} new tokens exceed max_seq_len {self.cfg.max_seq_len}")
+        if S + max_new_tokens > c.max_seq_len:
+            raise ValueError(f"{S} + {max_new_tokens} new tokens exceed max_seq_len {c.max_seq_len}")
         logits, info = self.forward(idx, modes=modes)
-        records = info["records"]
+        prefill = ([r["k"] for r in info["records"]], [r["v"] for r in info["records"]], info["modes"],
+                   c.sink, c.window, S + max_new_tokens)      # per layer (B, Hkv, S, D) after RoPE, modes
         if cache == "compact":
-            import decode  # decode.py imports masks only: no cycle, but kept beside its one use
-            backend = "reference" if self.cfg.backend == "torch" else self.cfg.backend  # torch: the naive twin
-            kv = decode.KVCache.from_prefill([r["k"] for r in records], [r["v"] for r in records],
-                                             [r["modes"] for r in records], self.cfg.sink, self.cfg.window,
-                                             S + max_new_tokens, backend=backend)
+            kv = decode.KVCache.from_prefill(*prefill, backend=c.backend)
         else:
-            kv = [(r["k"], r["v"]) for r in records]  # per layer (B, Hkv, S, D) after RoPE
+            kv = decode.FullKVCache.from_prefill(*prefill)
         out = idx
         for step in range(max_new_tokens):
             nxt = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
             out = torch.cat([out, nxt], dim=1)
             if step + 1 < max_new_tokens:                 # the last new token needs no forward pass
-                logits, kv = self.decode_step(nxt, out.shape[1] - 1, kv, info)
+                logits = self.decode_step(nxt, out.shape[1] - 1, kv)
         return out, info
 
-    def decode_step(self, token, pos, cache, info):
-        """One token (B, 1) at position pos → (logits (B, 1, V), cache). cache: a decode.KVCache,
-        written in place, or for the full-cache reference a list of per-layer (k, v) (B, Hkv, pos, D),
-        returned one token longer. info: the prefill's (its per-layer modes)."""
+    def decode_step(self, token, pos, cache):
+        """One token (B, 1) at position pos → logits (B, 1, V). cache: a decode.KVCache or
+        decode.FullKVCache holding positions 0 … pos-1 (from_prefill); the step writes the token's
+        K/V into it and advances it."""
         c = self.cfg
         self.check_tokens(token)
         B = token.shape[0]
@@ -527,39 +589,12 @@ class Transformer(nn.Module):
             raise ValueError(f"decode_step takes one token per sample, (B, 1), got {tuple(token.shape)}")
         if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < c.max_seq_len:
             raise ValueError(f"position {pos!r} outside [0, max_seq_len={c.max_seq_len})")
-        compact = not isinstance(cache, (list, tuple))
-        if compact:
-            cache.check_config(c.n_layers, c.n_kv_heads, c.head_dim, c.sink, c.window)
-            batch, held = cache.B, cache.n_tokens
-        elif len(cache) != c.n_layers:
-            raise ValueError(f"full cache has {len(cache)} layers, the model {c.n_layers}")
-        else:
-            batch, held = cache[0][0].shape[0], cache[0][0].shape[2]
-        if batch != B or held != pos:
-            raise ValueError(f"cache holds {held} tokens of {batch} samples; got position {pos} for {B} samples")
-        x = self.embed_tokens(token)                                          # (B, 1, C)
-        cos, sin = self.rope_cos[pos:pos + 1], self.rope_sin[pos:pos + 1]
-        new_cache = []
-        for i, (layer, modes) in enumerate(zip(self.layers, info["modes"])):
-            attn = layer.self_attn
-            q, k, v, _ = attn.project(layer.input_layernorm(x), cos, sin)    # (B, Hq, 1, D), (B, Hkv, 1, D)
-            if compact:
-                cache.write(i, pos, k, v)
-                a = cache.attend(i, q[:, :, 0], pos + 1)                        # (B, Hq, D)
-            else:
-                k_all = torch.cat([cache[i][0], k], 2)                          # (B, Hkv, pos + 1, D)
-                v_all = torch.cat([cache[i][1], v], 2)
-                new_cache.append((k_all, v_all))
-                # At decode a BLOCK_SPARSE head sees its whole cache, like a FULL one.
-                dec_modes = torch.where(modes == BLOCK_SPARSE, FULL, modes)     # (B, Hkv)
-                mask = masks.hybrid_mask(pos + 1, dec_modes, c.sink, c.window,
-                                         q_idx=torch.tensor([pos]))              # (B, Hkv, 1, pos + 1)
-                a = masks.masked_attention(q, k_all, v_all, mask)               # (B, Hq, 1, D)
-            x = x + attn.o_proj(a.reshape(B, 1, -1))                            # (B, 1, Hq·D) → (B, 1, C)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if compact:
-            cache.n_tokens = pos + 1
-        return self.lm_head(self.norm(x)), cache if compact else new_cache
+        cache.check_config(c.n_layers, c.n_kv_heads, c.head_dim, c.sink, c.window)
+        if cache.B != B or cache.n_tokens != pos:
+            raise ValueError(f"cache holds {cache.n_tokens} tokens of {cache.B} samples; got position {pos} "
+                             f"for {B} samples")
+        logits, _ = self.forward(token, cache=cache)
+        return logits
 
 
 # -----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 BLOCK_SPARSE, see masks.py), as one fused Triton kernel with its backward, beside the naive twins
 (METHOD.md §3, §7). Reads top to bottom:
 
-    1. which code can run a call: the Triton kernel's limits and the backend choice
+    1. which code runs a call: the backend vocabulary every kernel family shares, the Triton limits
     2. tile sizes and block lists (host side)
     3. forward:  hybrid_attention_reference (naive twin) → the key-tile walk → _hybrid_attention_fwd
     4. backward: hybrid_attention_reference_grad (naive twin) → the query-tile walk → dk/dv and dq kernels
@@ -25,35 +25,53 @@ import torch
 from masks import (BLOCK_SPARSE, FULL, STREAMING, check_block_mask, check_modes, check_qkv,
                    check_sparse_params, hybrid_mask, naive_attention, streaming)
 
+# The one place that asks whether Triton is installed: decode.py and xattention.py import triton
+# and tl from here, so a machine without Triton still runs every "reference" and "torch" path.
 try:
     import triton
     import triton.language as tl
-    _HAS_TRITON = True
-except ImportError:  # the reference and torch backends need only torch
-    _HAS_TRITON = False
-
-BACKENDS = ("auto", "reference", "torch", "triton")
+except ImportError:
+    triton = tl = None
+HAS_TRITON = triton is not None
 
 # -----------------------------------------------------------------------------
-# 1. Which code runs a call.
+# 1. Which code runs a call. One vocabulary for every kernel family (prefill here, decode in
+# decode.py, XAttention scoring in xattention.py); Config.backend passes it to all three:
+#     "reference"  the naive PyTorch twin, obviously right, any dtype (float64 too)
+#     "torch"      the best plain-PyTorch path: SDPA for prefill heads that share one mode; the
+#                  naive twin where a family has nothing better (decode, XAttention scoring)
+#     "triton"     the Triton kernel; a ValueError naming the value outside its limits
+#     "auto"       "triton" on CUDA when the kernel supports the call, else "torch"
 
-def _interpreting():
+BACKENDS = ("auto", "reference", "torch", "triton")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting():
+    """Whether Triton runs its kernels on the CPU (TRITON_INTERPRET=1, read when triton is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_unsupported(dtype, head_dim, block_size, has_block_mask, on_cuda):
-    """Why the fused kernel cannot run a call with these properties (a sentence naming the value),
-    or None when it can. Pure: looks at no tensor, so the backend choice can be tested anywhere."""
-    if not _HAS_TRITON:
+def check_backend(backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def triton_unsupported(dtype, on_cuda, head_dim, min_head_dim=1, block_size=None):
+    """Why a Triton kernel of this project cannot run a call with these properties (a sentence
+    naming the value), or None when it can. min_head_dim: the prefill kernel's tl.dot tiles need
+    D >= 16 (the decode and scoring kernels pad D); block_size: a prefill call with a block mask.
+    Pure: looks at no tensor, so the backend choice can be tested anywhere."""
+    if not HAS_TRITON:
         return "triton is not installed"
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if dtype not in KERNEL_DTYPES:
         return f"the Triton kernel supports float16, bfloat16 and float32, got {dtype}"
-    if not 16 <= head_dim <= 256:
-        return f"head dim D={head_dim} out of range: the Triton kernel supports 16 <= D <= 256"
-    if has_block_mask and block_size < 16:
+    if not min_head_dim <= head_dim <= 256:
+        return f"head dim D={head_dim} out of range: the Triton kernel supports {min_head_dim} <= D <= 256"
+    if block_size is not None and block_size < 16:
         return (f"block_size={block_size}: a block_mask needs block_size >= 16 in the Triton kernel "
                 "(tiles follow the mask's blocks; tl.dot needs 16 rows)")
-    if not on_cuda and not _interpreting():
+    if not on_cuda and not interpreting():
         return ("tensors on the CPU: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set "
                 "before importing triton, to run it on the CPU)")
     if not on_cuda and dtype == torch.bfloat16:
@@ -61,18 +79,24 @@ def triton_unsupported(dtype, head_dim, block_size, has_block_mask, on_cuda):
     return None
 
 
-def resolve_backend(backend, dtype, head_dim, block_size, has_block_mask, on_cuda):
-    """The backend that runs a call: 'auto' becomes 'triton' on CUDA when the kernel supports the
-    call, else 'torch'. Asking for 'triton' outside the kernel's limits is a ValueError."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    reason = triton_unsupported(dtype, head_dim, block_size, has_block_mask, on_cuda) \
-        if backend in ("auto", "triton") else None
+def resolve_backend(backend, dtype, on_cuda, head_dim, min_head_dim=1, block_size=None):
+    """The backend that runs a call ("reference", "torch" or "triton"), for any kernel family:
+    'auto' becomes 'triton' on CUDA when the kernel supports the call (triton_unsupported, same
+    arguments), else 'torch'. Asking for 'triton' outside the kernel's limits is a ValueError."""
+    check_backend(backend)
+    if backend in ("reference", "torch"):
+        return backend
+    reason = triton_unsupported(dtype, on_cuda, head_dim, min_head_dim, block_size)
     if backend == "auto":
         return "triton" if on_cuda and reason is None else "torch"
-    if backend == "triton" and reason is not None:
+    if reason is not None:
         raise ValueError(f"backend 'triton': {reason}")
     return backend
+
+
+def _prefill_limits(block_mask, block_size):
+    """The fused prefill kernel's own limits, as triton_unsupported's keywords."""
+    return dict(min_head_dim=16, block_size=block_size if block_mask is not None else None)
 
 # -----------------------------------------------------------------------------
 # 2. Host side of the kernel: tile sizes and block lists.
@@ -87,8 +111,7 @@ def _tile_config(D, dtype, block_size, has_block_sparse, interpret, shared_memor
     """Forward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), fixed (no autotuning):
       - GPU, D <= 128, 16-bit: 128×128 tiles in 8 warps (two warpgroups of 64 query rows for Hopper's
         wgmma), 3 stages of K/V prefetch: 224 KB of shared memory at D = 128, under Hopper's 227 KB.
-        Other tiles and stages, TMA descriptors, persistent programs: no faster (RESULTS.md). A card
-        with less shared memory (an A100 has 163 KB) gets 128×64 tiles and 4 stages (160 KB).
+        A card with less shared memory (an A100 has 163 KB) gets 128×64 tiles and 4 stages (160 KB).
         shared_memory: the device's limit in bytes (_shared_memory); None = no limit.
       - D > 128 or fp32: the fp32 accumulator (BLOCK_M × D) and the K/V tiles double, so halve the tiles.
       - Interpreter: small tiles, so that short test sequences still cross several tiles and every
@@ -113,8 +136,8 @@ def _bwd_tile_config(D, dtype, block_size, has_block_sparse, interpret):
     tiles (BLOCK_M) past it; the dq program holds a tall query tile (BLOCK_M) and streams short
     key tiles (BLOCK_N). Short streamed tiles keep the masked diagonal band narrow.
       - GPU, D <= 128, 16-bit: 8 warps for both. The dk/dv program's two fp32 accumulators
-        (128 keys × D) alone take 256 registers per thread in 4 warps and spilled; in 8 warps the
-        backward runs in less than half the time (RESULTS.md, beside the other configs tried)."""
+        (128 keys × D) alone take 256 registers per thread in 4 warps, more than the 255 a thread
+        may hold, so they spill; in 8 warps they take half."""
     if interpret:
         dkdv, dq = (16, 32, 4, 1), (32, 16, 4, 1)
     elif D <= 128 and dtype != torch.float32:
@@ -184,7 +207,7 @@ def hybrid_attention_reference(q, k, v, modes, sink, window, block_mask=None, bl
     return naive_attention(q, k, v, mask)
 
 
-if _HAS_TRITON:
+if HAS_TRITON:
     # Module-level ints used inside @triton.jit code must be tl.constexpr.
     _STREAMING = tl.constexpr(STREAMING)
     _BLOCK_SPARSE = tl.constexpr(BLOCK_SPARSE)
@@ -446,7 +469,7 @@ def hybrid_attention_reference_grad(q, k, v, modes, sink, window, block_mask, bl
     return torch.autograd.grad(o, (q, k, v), do)
 
 
-if _HAS_TRITON:
+if HAS_TRITON:
     @triton.jit
     def _dot_ds(ds, x, acc, SPLIT_DS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """acc + ds @ x for fp32 ds and a 16-bit (or fp32) tile x. SPLIT_DS (kernels._split_ds):
@@ -803,15 +826,15 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
     """
     B, Hq, Hkv, S, D = check_qkv(q, k, v)
     check_sparse_params(sink, window, block_size)
-    reason = triton_unsupported(q.dtype, D, block_size, block_mask is not None, q.is_cuda)
+    reason = triton_unsupported(q.dtype, q.is_cuda, D, **_prefill_limits(block_mask, block_size))
     if reason is not None:
         raise ValueError(reason)
     check_modes(modes, B, Hkv, device=q.device)
     check_block_mask(block_mask, modes, S, block_size)
     has_bs = block_mask is not None
-    smem = _shared_memory(q.device.index) if q.is_cuda and not _interpreting() else None
-    config = config or _tile_config(D, q.dtype, block_size, has_bs, _interpreting(), smem)
-    bwd_config = bwd_config or _bwd_tile_config(D, q.dtype, block_size, has_bs, _interpreting())
+    smem = _shared_memory(q.device.index) if q.is_cuda and not interpreting() else None
+    config = config or _tile_config(D, q.dtype, block_size, has_bs, interpreting(), smem)
+    bwd_config = bwd_config or _bwd_tile_config(D, q.dtype, block_size, has_bs, interpreting())
     for name, cfg in (("config", config), ("bwd_config dk/dv", bwd_config[0]), ("bwd_config dq", bwd_config[1])):
         if has_bs and max(cfg[0], cfg[1]) > block_size:
             raise ValueError(f"{name} BLOCK_M={cfg[0]}, BLOCK_N={cfg[1]} must not exceed "
@@ -852,20 +875,15 @@ def uniform_attention_sdpa(q, k, v, mode, sink, window, block_mask=None, block_s
 
 def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, backend="auto"):
     """Causal attention where each (sample, KV head) runs its own mode. q (B, Hq, S, D),
-    k/v (B, Hkv, S, D), modes int (B, Hkv). Returns (B, Hq, S, D) in q's dtype. Every backend is
-    differentiable; the choice never depends on grad mode:
-        "reference"  naive_attention on masks.hybrid_mask: any modes and dtypes (float64 too).
-        "torch"      torch SDPA when every head has one mode (BLOCK_SPARSE: with every diagonal
-                     block on), else "reference".
-        "triton"     the fused kernel (fused_hybrid_attention); a ValueError outside its limits
-                     (triton_unsupported).
-        "auto"       "triton" when q is on CUDA and the kernel supports the call, else "torch".
-    """
+    k/v (B, Hkv, S, D), modes int (B, Hkv). Returns (B, Hq, S, D) in q's dtype. backend as in
+    section 1: "reference" is hybrid_attention_reference, "triton" fused_hybrid_attention, "torch"
+    SDPA when every head has one mode (BLOCK_SPARSE: with every diagonal block on), else the
+    reference. Every backend is differentiable; the choice never depends on grad mode."""
     B, Hq, Hkv, S, D = check_qkv(q, k, v)
     check_sparse_params(sink, window, block_size)
     check_modes(modes, B, Hkv, device=q.device)
     check_block_mask(block_mask, modes, S, block_size)
-    backend = resolve_backend(backend, q.dtype, D, block_size, block_mask is not None, q.is_cuda)
+    backend = resolve_backend(backend, q.dtype, q.is_cuda, D, **_prefill_limits(block_mask, block_size))
     if backend == "triton":
         return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
     if backend == "torch" and modes.numel():

@@ -96,17 +96,18 @@ def check_modes(modes, B, Hkv, device=None):
         raise ValueError(f"modes is on {modes.device} but q is on {device}")
 
 
-def check_lengths(lengths, B, S):
+def check_lengths(lengths, B, S, name="lengths"):
     """lengths (B,) integer tensor: sample b's real tokens are positions 0 .. lengths[b] − 1, the
-    rest is right padding. Each length in [1, S]. None (all S real) passes through."""
+    rest is right padding. Each length in [1, S]. None (all S real) passes through. name: what the
+    error calls them (prompt_lengths: the tokens a router reads)."""
     if lengths is None:
         return None
     if (not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point
             or lengths.dtype == torch.bool or tuple(lengths.shape) != (B,)):
-        raise ValueError(f"lengths must be an integer tensor of shape (B,) = ({B},), got {lengths!r}")
+        raise ValueError(f"{name} must be an integer tensor of shape (B,) = ({B},), got {lengths!r}")
     bad = (lengths < 1) | (lengths > S)
     if bad.any():    # one host sync; cheap next to attention
-        raise ValueError(f"lengths must be in [1, S={S}], got {lengths[bad].tolist()}")
+        raise ValueError(f"{name} must be in [1, S={S}], got {lengths[bad].tolist()}")
     return lengths
 
 

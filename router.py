@@ -70,8 +70,7 @@ def hard_concrete_sample(log_alpha, u=None, generator=None):
 
 
 # Closed forms. noise is standard logistic, so each event "s̄ ≷ c" is "noise ≷ some x" and has
-# probability σ(±x). Used by the tests to check the sampler, and handy for an expected-sparsity
-# penalty (the L0 paper's use) if anyone wants one.
+# probability σ(±x). The tests check the sampler against them.
 
 def prob_zero(log_alpha):
     """P(z̃ = 0) = σ(−β·log(ζ/−γ) − log α): s̄ <= 0 ⇔ s <= 1/12 ⇔ noise <= −β·log 11 − log α."""
@@ -91,7 +90,7 @@ def prob_nonzero(log_alpha):
 def prob_gradient(log_alpha):
     """P(0 < z̃ < 1) = 1 − P(z̃ = 0) − P(z̃ = 1): the share of draws whose z̃ passes a gradient to
     log α (a clamped z̃ passes none). It falls like e^−|log α| once |log α| > ~2: a router whose
-    logits run far from 0 stops learning, whatever its loss says (RESULTS.md, SmolLM2)."""
+    logits run far from 0 stops learning, whatever its loss says."""
     return 1.0 - prob_zero(log_alpha) - prob_one(log_alpha)
 
 
@@ -166,27 +165,28 @@ def tau_cosine(progress, tau_start=1.5, tau_end=1.0, anneal_frac=0.6):
 # -----------------------------------------------------------------------------
 # 2. The Attention Router (one per layer, ≈ 0.26 M parameters at D = 128, hidden ×4).
 
-def boundary_pool(k, lengths, pool_tokens, skip=0):
-    """Mean of each sample's first P real tokens after `skip` and its last P real tokens:
+def boundary_pool(k, prompt_lengths, pool_tokens, skip=0):
+    """Mean of each sample's first P prompt tokens after `skip` and its last P prompt tokens:
     (B, Hkv, S, D) -> (B, Hkv, D) float32.
 
     The instructions sit at the start of a prompt and the question at its end; the document in the
     middle is noise for telling tasks apart (paper App. H.5). `skip` leaves out a fixed preamble that
     every prompt shares (a chat model's system turn), which would otherwise dilute the instruction.
     A sample shorter than skip + 2P is pooled over each of its tokens after `skip` once (the union
-    of the two ranges). Tokens at or after lengths[b] are padding and never read; each length must
-    be in [skip + 1, S].
+    of the two ranges). Tokens at or after prompt_lengths[b] (the answer, or padding) are never read;
+    each length must be in [skip + 1, S].
 
     Vectorised by gathering 2P slots per sample rather than weighting all S positions: at 64K
     tokens that reads 200 keys instead of 64K and never makes an fp32 copy of the whole K.
     """
     B, Hkv, S, D = k.shape
-    check_lengths(lengths, B, S)
-    if skip and bool((lengths <= skip).any()):
-        raise ValueError(f"every length must exceed the {skip} skipped preamble tokens, got {lengths.tolist()}")
+    check_lengths(prompt_lengths, B, S, name="prompt_lengths")
+    if skip and bool((prompt_lengths <= skip).any()):
+        raise ValueError(f"every prompt length must exceed the {skip} skipped preamble tokens, got "
+                         f"{prompt_lengths.tolist()}")
     P = pool_tokens
     slot = torch.arange(P, device=k.device).view(1, P)                # (1, P)
-    L = lengths.to(k.device).view(B, 1)                               # (B, 1)
+    L = prompt_lengths.to(k.device).view(B, 1)                        # (B, 1)
     head = skip + slot.expand(B, P)                                   # (B, P)  positions skip .. skip+P−1
     tail = L - P + slot                                               # (B, P)  positions L−P .. L−1
     pos = torch.cat([head, tail], dim=1)                              # (B, 2P)
@@ -243,8 +243,9 @@ class AttentionRouter(nn.Module):
             last.weight.mul_(0.01)
             last.bias.zero_()
 
-    def forward(self, k, lengths=None):
-        """k (B, Hkv, S, D) key states before RoPE, lengths (B,) int real tokens (None = all S).
+    def forward(self, k, prompt_lengths=None):
+        """k (B, Hkv, S, D) key states before RoPE, prompt_lengths (B,) int: the tokens it may read
+        (None = all S).
 
         Returns log α (B, Hkv) float32. The MLPs run in float32 whatever k's dtype (bf16 keys are
         fine); keep the router's parameters float32 too, e.g. cast the backbone before attaching.
@@ -253,11 +254,11 @@ class AttentionRouter(nn.Module):
             raise ValueError(f"k must be (B, Hkv, S, D={self.head_dim}), got "
                              f"{tuple(k.shape) if isinstance(k, torch.Tensor) else type(k)}")
         B, Hkv, S, D = k.shape
-        if lengths is None:
-            lengths = torch.full((B,), S, dtype=torch.long, device=k.device)
+        if prompt_lengths is None:
+            prompt_lengths = torch.full((B,), S, dtype=torch.long, device=k.device)
 
         with torch.autocast(device_type=k.device.type, enabled=False):   # a logit near 0 needs fp32
-            x = boundary_pool(k, lengths, self.pool_tokens, self.pool_skip)  # (B, Hkv, D) fp32
+            x = boundary_pool(k, prompt_lengths, self.pool_tokens, self.pool_skip)  # (B, Hkv, D) fp32
             x = ((x - self.in_shift) / self.in_scale).to(self.router_mlp[0].weight.dtype)
             x = self.task_mlp(x)                                           # (B, Hkv, D)
             log_alpha = self.router_mlp(x).squeeze(-1)                     # (B, Hkv)
@@ -285,7 +286,7 @@ class StaticGate(nn.Module):
         super().__init__()
         self.log_alpha = nn.Parameter(torch.zeros(n_kv_heads))  # P(FULL) = ½ at the start, like the router
 
-    def forward(self, k, lengths=None):
+    def forward(self, k, prompt_lengths=None):
         return self.log_alpha.float().expand(k.shape[0], -1)     # (B, Hkv)
 
 # -----------------------------------------------------------------------------

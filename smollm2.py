@@ -808,15 +808,10 @@ def forward_scored(model, batch, modes=None):
     float32, targets (B, K)). Same numbers as model(tokens, modes=modes) at those positions, without
     the (B, S, V) tensor (49152 logits per token). For routers, call the model itself."""
     device = model.lm_head.weight.device
-    tokens = batch["tokens"].to(device)
-    B, S = tokens.shape
-    pos, tgt = scored_positions(batch["targets"])
-    x = model.embed_tokens(tokens)                                    # (B, S, C)
-    cos, sin = model.rope_cos[:S], model.rope_sin[:S]
-    for i, layer in enumerate(model.layers):
-        x, _ = layer(x, cos, sin, modes=None if modes is None else modes[i].to(device))
-    h = x[torch.arange(B, device=device)[:, None], pos.to(device)]   # (B, K, C)
-    return model.lm_head(model.norm(h)).float(), tgt.to(device)       # (B, K, V)
+    pos, tgt = scored_positions(batch["targets"])                     # (B, K), (B, K)
+    modes = None if modes is None else [m.to(device) for m in modes]
+    logits, _ = model(batch["tokens"].to(device), modes=modes, logits_at=pos.to(device))  # (B, K, V)
+    return logits.float(), tgt.to(device)
 
 
 def uniform_modes(model, batch_size, mode):

@@ -3,7 +3,7 @@ head attends to, decided per input from the queries and keys themselves (METHOD.
 
 Two steps, so a benchmark can time them apart:
   1. scoring  cheap estimate of the softmax mass in every (query block, key block) tile:
-              xattention_scores_naive (dense twin) and xattention_scores (Triton: no S×S matrix,
+              xattention_scores_reference (dense twin) and xattention_scores (Triton: no S×S matrix,
               the antidiagonal products once, a float32 scratch of S/T × S/block per query head)
   2. picking  per query-block row keep the sink and the diagonal block, then the best other blocks
               until the kept mass reaches `threshold` of the row: xattention_select (torch)
@@ -14,18 +14,11 @@ Shape letters as in masks.py, plus T the stride (tokens per antidiagonal group),
 groups per block, nG = nB·g groups in the sequence padded to whole blocks.
 """
 import math
-import os  # TRITON_INTERPRET=1 switches the kernel to Triton's CPU interpreter
 
 import torch
 
+from kernels import HAS_TRITON, check_backend, resolve_backend, tl, triton
 from masks import check_lengths, num_blocks
-
-try:
-    import triton
-    import triton.language as tl
-    _HAS_TRITON = True
-except ImportError:  # the naive scoring needs only torch
-    _HAS_TRITON = False
 
 # Padding. When S is not a multiple of the block size, q and k are zero-padded to nB·block_size
 # tokens (the kernel masks its loads instead, which is the same). A zero token adds exactly 0 to any
@@ -75,12 +68,7 @@ def check_threshold(threshold):
         raise ValueError(f"threshold must be a number in (0, 1], got {threshold!r}")
 
 
-def check_xattention_backend(backend):
-    if backend not in ("auto", "reference", "triton"):
-        raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
-
-
-def xattention_scores_naive(q, k, block_size, stride=16, lengths=None):
+def xattention_scores_reference(q, k, block_size, stride=16, lengths=None):
     """XAttention block scores, the obvious dense way. q (B, Hq, S, D), k (B, Hkv, S, D) →
     (B, Hkv, nB, nB) float32 (float64 if given float64): entry [b, h, m, n] is the estimated softmax
     mass that the query groups of block m put on key block n, max over the G query heads of KV head h.
@@ -125,7 +113,7 @@ def xattention_scores_naive(q, k, block_size, stride=16, lengths=None):
     return block.view(B, Hkv, G, nB, nB).amax(2)                    # (B, Hkv, nB, nB)
 
 
-if _HAS_TRITON:
+if HAS_TRITON:
     @triton.jit
     def _xattn_antidiagonal_tile(q_rows, k_base, q_group, k_group, row_ok, S, D,
                                  stride_qs, stride_qd, stride_ks, stride_kd,
@@ -233,27 +221,26 @@ if _HAS_TRITON:
 
 def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None, *, BLOCK_M=None, BLOCK_N=None,
                       num_warps=8):
-    """Same contract as xattention_scores_naive (float32 (B, Hkv, nB, nB); lengths (B,) optional),
+    """Same contract as xattention_scores_reference (float32 (B, Hkv, nB, nB); lengths (B,) optional),
     by the Triton kernel: no S×S and no (S/T)² matrix, the antidiagonal products computed once. In
     their place a float32 scratch of one log-sum-exp per (query group, key block):
     (B, Hq, S/T, S/block), allocated here and only half used (causal). That is 32 MiB per query head at S = 128K, T = 16, block 128, so
     1 GiB for 32 query heads; its causal half is written once and read back once right after by
     the program that wrote it (mostly from L2), against the matmul work it saves (half of it).
 
-    backend: "auto" = Triton on CUDA (not float64), else the naive twin; "reference"; "triton" (on
-    CPU only under TRITON_INTERPRET=1, set before triton is imported; fp16/fp32 there, no bf16).
+    backend (kernels.BACKENDS): "triton" runs the kernel (on a CPU only under TRITON_INTERPRET=1, set
+    before triton is imported; fp16/fp32 there, no bf16); "reference" and "torch" the naive twin;
+    "auto" the kernel on CUDA where it supports the call (not float64), else the naive twin.
     BLOCK_M (query groups per program, default: a score tile of 128 rows, G_PAD·BLOCK_M, where
     G_PAD is G rounded up to a power of two), BLOCK_N (key groups per score tile, default
     max(128, g)), each a power of two >= 16 and >= g, and num_warps are exposed for timing; they
     change no result beyond summation order.
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
-    check_xattention_backend(backend)
     check_lengths(lengths, B, S)
     g = block_size // stride            # a power of two: stride divides the power-of-two block_size
     if BLOCK_N is None:
-        # key groups per score tile: >= 16 for tl.dot, and whole blocks; wide tiles reuse each Q load
-        # more (128 with 8 warps was the fastest on an H200, RESULTS.md).
+        # key groups per score tile: >= 16 for tl.dot, and whole blocks; wide tiles reuse each Q load more.
         BLOCK_N = max(128, g)
     G_PAD = 1 << (Hq // Hkv - 1).bit_length()                       # G rounded up to a power of two
     nG = num_blocks(S, block_size) * g
@@ -267,16 +254,8 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
     for name, value in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N)):
         if isinstance(value, bool) or not isinstance(value, int) or value < max(16, g) or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= max(16, g={g}), got {value!r}")
-    if backend == "auto":
-        backend = "triton" if q.is_cuda and _HAS_TRITON and q.dtype != torch.float64 else "reference"
-    if backend == "reference":
-        return xattention_scores_naive(q, k, block_size, stride, lengths)
-    if not _HAS_TRITON:
-        raise ValueError("backend='triton' but triton is not installed")
-    if q.dtype == torch.float64:
-        raise ValueError("the Triton scoring kernel takes float16/bfloat16/float32, got float64")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
+    if resolve_backend(backend, q.dtype, q.is_cuda, D) != "triton":
+        return xattention_scores_reference(q, k, block_size, stride, lengths)
 
     G = Hq // Hkv
     nB = num_blocks(S, block_size)
@@ -346,7 +325,7 @@ def xattention_block_mask(q, k, block_size, stride=16, threshold=0.9, backend="a
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
     check_threshold(threshold)
-    check_xattention_backend(backend)
+    check_backend(backend)
     check_lengths(lengths, B, S)
     nB = num_blocks(S, block_size)
     if nB <= 2 or threshold >= 1.0:   # nothing to choose: every causal block is forced or wanted → FULL

@@ -20,7 +20,7 @@ import kernels
 import masks
 from masks import BLOCK_SPARSE, FULL, STREAMING
 
-pytestmark = pytest.mark.skipif(not kernels._HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -323,8 +323,11 @@ def test_lse_is_an_output_not_a_gradient_path():
 # Which backend runs a call: the kernel's limits, never grad mode.
 
 def test_auto_falls_back_to_torch_outside_the_kernel_limits_on_cuda():
-    """On CUDA, auto used to pick Triton for head_dim 8 (a model that works on CPU) and raise."""
-    pick = kernels.resolve_backend
+    """On CUDA, auto picks torch wherever the kernel cannot run (a head_dim 8 model works on CPU, so it
+    must on CUDA too): it never raises."""
+    def pick(backend, dtype, head_dim, block_size, has_block_mask, on_cuda):
+        return kernels.resolve_backend(backend, dtype, on_cuda, head_dim, min_head_dim=16,
+                                       block_size=block_size if has_block_mask else None)
     assert pick("auto", torch.float32, 8, 64, False, on_cuda=True) == "torch"      # D < 16
     assert pick("auto", torch.float64, 64, 64, False, on_cuda=True) == "torch"     # no float64
     assert pick("auto", torch.bfloat16, 512, 64, False, on_cuda=True) == "torch"   # D > 256
@@ -332,12 +335,14 @@ def test_auto_falls_back_to_torch_outside_the_kernel_limits_on_cuda():
     assert pick("auto", torch.bfloat16, 16, 64, True, on_cuda=True) == "triton"
     assert pick("auto", torch.float32, 64, 64, False, on_cuda=False) == "torch"    # CPU: never auto-Triton
     assert pick("reference", torch.float64, 8, 4, True, on_cuda=True) == "reference"
+    # decode and XAttention scoring pad D: head dim 8 is theirs
+    assert kernels.resolve_backend("auto", torch.float16, True, 8) == "triton"
 
 
 @pytest.mark.parametrize("args, message", [
-    ((torch.float32, 8, 64, False, True), "D=8"),
-    ((torch.float64, 64, 64, False, True), "float64"),
-    ((torch.float16, 64, 8, True, True), "block_size=8"),
+    ((torch.float32, True, 8, 16), "D=8"),
+    ((torch.float64, True, 64, 16), "float64"),
+    ((torch.float16, True, 64, 16, 8), "block_size=8"),
 ])
 def test_triton_backend_outside_its_limits_names_the_value(args, message):
     with pytest.raises(ValueError, match=message):

@@ -78,7 +78,7 @@ def test_training_mix_endpoints_and_gradient_wrt_z():
     modes = random_modes(cfg, B, 3)
     z_hard = (modes == FULL).double()
     hybrid, _ = model(idx, modes=modes)
-    mixed, info = model(idx, gates=z_hard)
+    mixed, info = model(idx, z=z_hard)
     torch.testing.assert_close(mixed, hybrid, rtol=1e-12, atol=1e-12)
     assert torch.allclose(info["omega_msr"], 1 - z_hard.mean((0, 2)).float())
 
@@ -103,9 +103,9 @@ def test_mix_with_z_one_is_full_and_zero_is_sparse_per_layer():
     cfg = tiny()
     model, idx = model_and_tokens(cfg, 2, 19)
     ones = torch.ones(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.float64)
-    torch.testing.assert_close(model(idx, gates=ones)[0], model(idx)[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model(idx, z=ones)[0], model(idx)[0], rtol=1e-12, atol=1e-12)
     stream_modes = torch.ones(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.long)
-    torch.testing.assert_close(model(idx, gates=ones * 0)[0], model(idx, modes=stream_modes)[0],
+    torch.testing.assert_close(model(idx, z=ones * 0)[0], model(idx, modes=stream_modes)[0],
                                rtol=1e-12, atol=1e-12)
 
 
@@ -122,6 +122,72 @@ def test_kv_cache_greedy_generation_equals_recomputation(prompt, new, seed):
         logits, _ = model(seq, modes=modes)
         seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, seq)
+
+
+@pytest.mark.parametrize("G, dtype", [(2, torch.float64), (1, torch.float32)])
+def test_attention_rows_equal_walking_the_layers_by_hand(G, dtype):
+    """Transformer.attention_rows (the model's one loop with rows_at) against walking the backbone's
+    layers by hand: bitwise equal to the same formula (q·k/√D in float32, softmax over keys <= the
+    position), and within float32 round-off of the dense float64 attention matrix's row. Routers
+    attached do not change the rows: they are the backbone's, every head FULL."""
+    cfg = tiny(n_heads=2 * G, n_kv_heads=2)
+    model, idx = model_and_tokens(cfg, 3, 23, seed=4)
+    model.attach_routers()
+    model.to(dtype)
+    positions = torch.tensor([22, 0, 9])
+    rows = model.attention_rows(idx, positions)                              # (L, B, Hq, S)
+    assert rows.shape == (cfg.n_layers, 3, cfg.n_heads, 23) and rows.dtype == torch.float32
+
+    S, D = idx.shape[1], cfg.head_dim
+    cos, sin = model.rope_cos[:S], model.rope_sin[:S]
+    full = torch.full((3, cfg.n_kv_heads), FULL, dtype=torch.int32)
+    causal = masks.causal(None, None, torch.arange(S).view(S, 1), torch.arange(S).view(1, S))  # (S, S)
+    x = model.embed_tokens(idx)
+    with torch.no_grad():
+        for layer, got in zip(model.layers, rows):
+            q, k, _, _ = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+            k = k.repeat_interleave(G, dim=1)                                # (B, Hq, S, D)
+            qp = q[torch.arange(3), :, positions]                            # (B, Hq, D)
+            scores = torch.einsum("bhd,bhsd->bhs", qp.float(), k.float()) / D ** 0.5
+            visible = torch.arange(S).view(1, 1, S) <= positions.view(3, 1, 1)
+            assert torch.equal(got, torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1))
+            dense = (q.double() @ k.double().transpose(-2, -1) / D ** 0.5).masked_fill(~causal, float("-inf"))
+            want = torch.softmax(dense, dim=-1)[torch.arange(3), :, positions]   # (B, Hq, S)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+            x, _ = layer(x, cos, sin, modes=full)
+
+
+def test_logits_at_positions_equal_the_full_grid():
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 2, 19, seed=2)
+    modes = random_modes(cfg, 2, 2)
+    pos = torch.tensor([[3, 18, 0], [7, 7, 12]])
+    grid, _ = model(idx, modes=modes)
+    some, _ = model(idx, modes=modes, logits_at=pos)                         # (B, K, V)
+    torch.testing.assert_close(some, grid[torch.arange(2)[:, None], pos], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"logits_at must be positions in \[0, S=19\)"):
+        model(idx, logits_at=torch.tensor([[19], [0]]))
+    with pytest.raises(ValueError, match=r"rows_at must be an integer tensor \(B,\) with B=2"):
+        model(idx, rows_at=torch.tensor([[1, 2]]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_config_backend_reaches_xattention_scoring_and_decode(backend, monkeypatch):
+    """Config.backend is the one choice for prefill, XAttention scoring and the decode cache."""
+    import decode
+    import xattention
+    seen = []
+    score = xattention.xattention_scores
+    monkeypatch.setattr(xattention, "xattention_scores",
+                        lambda q, k, bs, stride, backend, lengths: seen.append(("xa", backend))
+                        or score(q, k, bs, stride, backend, lengths))
+    attend = decode.KVCache.attend
+    monkeypatch.setattr(decode.KVCache, "attend",
+                        lambda self, *args: seen.append(("decode", self.backend)) or attend(self, *args))
+    cfg = tiny(head_config="FA-XA", xa_threshold=0.5, backend=backend)
+    model, idx = model_and_tokens(cfg, 2, 40)
+    model.generate(idx, 2, modes=torch.full((cfg.n_layers, 2, cfg.n_kv_heads), masks.BLOCK_SPARSE))
+    assert set(seen) == {("xa", backend), ("decode", backend)}
 
 
 def test_omega_msr_and_esr_hand_computed():
@@ -249,8 +315,8 @@ def test_model_bad_input_raises():
         model(idx, modes=torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="list of L tensors"):    # nested python lists
         model(idx, modes=[[[0, 0]], [[0, 1]]])
-    with pytest.raises(ValueError, match=r"gates must lie in \[0, 1\]"):
-        model(idx, gates=torch.full((2, 1, 2), 2.0))
+    with pytest.raises(ValueError, match=r"z must lie in \[0, 1\]"):
+        model(idx, z=torch.full((2, 1, 2), 2.0))
     with pytest.raises(ValueError, match="no tokens"):
         model(torch.zeros(1, 0, dtype=torch.long))
     with pytest.raises(ValueError, match="modes must be in"):
@@ -299,7 +365,7 @@ def test_xattention_head_configs_run_and_threshold_one_is_dense(head_config):
     model.double()
     z = torch.ones(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.float64)
     xa_side = z if head_config.startswith("XA") else z * 0  # the gate value that selects XAttention
-    out, info = model(idx, gates=xa_side)
+    out, info = model(idx, z=xa_side)
     torch.testing.assert_close(out, backbone, rtol=1e-12, atol=1e-12)
     assert all(bm is not None and bm.shape == (2, cfg.n_kv_heads, 10, 10) for bm in info["block_mask"])
     # Routed, training mix (hard gates) and evaluation: the output is the hybrid of the modes the

@@ -22,8 +22,7 @@ SLOW = settings(max_examples=8, deadline=None)   # each example runs the Triton 
 
 # Triton runs on CUDA, or on CPU under the interpreter (conftest.py switches it on without a GPU).
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HAS_TRITON_RUN = xattention._HAS_TRITON and (torch.cuda.is_available()
-                                    or os.environ.get("TRITON_INTERPRET", "0") == "1")
+HAS_TRITON_RUN = kernels.HAS_TRITON and (torch.cuda.is_available() or kernels.interpreting())
 needs_triton = pytest.mark.skipif(not HAS_TRITON_RUN, reason="needs triton on CUDA or TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 and real shapes)")
 
@@ -90,17 +89,17 @@ def forced_blocks(nB):
     (1, 1, 1, 3, 4, 8, 4),      # S shorter than one stride
     (1, 1, 1, 12, 4, 4, 1),     # stride 1: plain q·k
 ])
-def test_naive_scores_match_definition(B, Hkv, G, S, D, block_size, stride):
+def test_reference_scores_match_definition(B, Hkv, G, S, D, block_size, stride):
     q, k = random_qk(B, Hkv, G, S, D, seed=S, dtype=torch.float64)
     want = loop_scores(q, k, block_size, stride)
-    assert_close(xattention.xattention_scores_naive(q, k, block_size, stride), want, 1e-10, 1e-10, "naive vs loops")
+    assert_close(xattention.xattention_scores_reference(q, k, block_size, stride), want, 1e-10, 1e-10, "reference vs loops")
 
 
 def test_gqa_combines_query_heads_by_max():
     """A KV head's scores are the elementwise max of its query heads' own scores."""
     q, k = random_qk(1, 2, 4, 40, 8, seed=0, dtype=torch.float64)
-    combined = xattention.xattention_scores_naive(q, k, 8, 4)                             # (1, 2, 5, 5)
-    per_head = xattention.xattention_scores_naive(q, k.repeat_interleave(4, dim=1), 8, 4)  # (1, 8, 5, 5)
+    combined = xattention.xattention_scores_reference(q, k, 8, 4)                             # (1, 2, 5, 5)
+    per_head = xattention.xattention_scores_reference(q, k.repeat_interleave(4, dim=1), 8, 4)  # (1, 8, 5, 5)
     assert_close(combined, per_head.view(1, 2, 4, 5, 5).amax(2), 0, 0, "GQA max")
 
 
@@ -126,11 +125,11 @@ TRITON_CASES = [
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", TRITON_CASES)
-def test_triton_scores_match_naive(case, dtype):
+def test_triton_scores_match_reference(case, dtype):
     B, Hkv, G, S, D, block_size, stride = case
     q, k = random_qk(B, Hkv, G, S, D, seed=S + D, dtype=dtype, device=TRITON_DEVICE)
     got = xattention.xattention_scores(q, k, block_size, stride, backend="triton")
-    want = xattention.xattention_scores_naive(q, k, block_size, stride)
+    want = xattention.xattention_scores_reference(q, k, block_size, stride)
     assert got.dtype == torch.float32
     assert_close(got, want, what=f"{case} {dtype}", **triton_tol(dtype, TRITON_DEVICE))
 
@@ -140,11 +139,11 @@ def test_triton_scores_match_naive(case, dtype):
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2, 4]),
        S=st.integers(1, 150), D=st.sampled_from([8, 16, 32]),
        block_stride=st.sampled_from([(8, 4), (16, 4), (16, 16), (32, 8)]), seed=st.integers(0, 99))
-def test_triton_scores_match_naive_drawn(B, Hkv, G, S, D, block_stride, seed):
+def test_triton_scores_match_reference_drawn(B, Hkv, G, S, D, block_stride, seed):
     block_size, stride = block_stride
     q, k = random_qk(B, Hkv, G, S, D, seed, dtype=torch.float32, device=TRITON_DEVICE)
     got = xattention.xattention_scores(q, k, block_size, stride, backend="triton")
-    want = xattention.xattention_scores_naive(q, k, block_size, stride)
+    want = xattention.xattention_scores_reference(q, k, block_size, stride)
     assert_close(got, want, what="drawn", **triton_tol(torch.float32, TRITON_DEVICE))
 
 
@@ -155,7 +154,7 @@ def test_triton_scores_narrow_tiles(BLOCK_N):
     scratch back in several steps (BLOCK_N key blocks each; 38 blocks here), G = 3."""
     q, k = random_qk(1, 1, 3, 300, 16, seed=7, device=TRITON_DEVICE)
     got = xattention.xattention_scores(q, k, 8, 4, backend="triton", BLOCK_N=BLOCK_N)
-    want = xattention.xattention_scores_naive(q, k, 8, 4)
+    want = xattention.xattention_scores_reference(q, k, 8, 4)
     assert_close(got, want, what=f"BLOCK_N={BLOCK_N}", **triton_tol(torch.float32, TRITON_DEVICE))
 
 
@@ -168,7 +167,7 @@ def test_triton_scores_tall_tiles(BLOCK_M, lens):
     lengths = torch.tensor(lens) if lens else None
     got = xattention.xattention_scores(q, k, 32, 4, backend="triton", BLOCK_M=BLOCK_M, BLOCK_N=16,
                                        lengths=None if lens is None else lengths.to(TRITON_DEVICE))
-    want = xattention.xattention_scores_naive(q, k, 32, 4, lengths=lengths)
+    want = xattention.xattention_scores_reference(q, k, 32, 4, lengths=lengths)
     assert_close(got, want, what=f"BLOCK_M={BLOCK_M}", **triton_tol(torch.float32, TRITON_DEVICE))
 
 
@@ -181,7 +180,7 @@ def test_triton_scores_sharp_logits():
     # TF32 on a GPU, whose 10-bit mantissa (not the kernel) is the error at logits in the hundreds.
     q, k = (q * 300).half(), k.half()
     got = xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_N=16)
-    want = xattention.xattention_scores_naive(q, k, 16, 4)
+    want = xattention.xattention_scores_reference(q, k, 16, 4)
     assert torch.isfinite(got).all()
     assert_close(got, want, what="sharp", atol=1e-4, rtol=1e-4)
 
@@ -193,10 +192,10 @@ def test_triton_scores_sharp_logits():
     (2, 1, 8, 2053, 64, 128, 8),
     (1, 8, 1, 4096, 128, 64, 16),
 ])
-def test_triton_scores_match_naive_gpu(B, Hkv, G, S, D, block_size, stride, dtype):
+def test_triton_scores_match_reference_gpu(B, Hkv, G, S, D, block_size, stride, dtype):
     q, k = random_qk(B, Hkv, G, S, D, seed=S, dtype=dtype, device="cuda")
     got = xattention.xattention_scores(q, k, block_size, stride)  # auto: Triton on CUDA
-    want = xattention.xattention_scores_naive(q, k, block_size, stride)
+    want = xattention.xattention_scores_reference(q, k, block_size, stride)
     assert_close(got, want, what=f"gpu {dtype}", **triton_tol(dtype, "cuda"))
 
 
@@ -228,7 +227,7 @@ def truncated_scores(q, k, lens, block_size, stride):
     out = torch.zeros(B, Hkv, nB, nB, dtype=torch.float64)
     for b, L in enumerate(lens.tolist()):
         n = masks.num_blocks(L, block_size)
-        out[b, :, :n, :n] = xattention.xattention_scores_naive(q[b:b + 1, :, :L], k[b:b + 1, :, :L],
+        out[b, :, :n, :n] = xattention.xattention_scores_reference(q[b:b + 1, :, :L], k[b:b + 1, :, :L],
                                                                block_size, stride)[0].double()
     return out
 
@@ -236,11 +235,11 @@ def truncated_scores(q, k, lens, block_size, stride):
 @SETTINGS
 @given(S=st.integers(1, 120), G=st.sampled_from([1, 2]), block_stride=st.sampled_from([(8, 4), (16, 4), (16, 16)]),
        seed=st.integers(0, 999), data=st.data())
-def test_naive_scores_ignore_right_padding(S, G, block_stride, seed, data):
+def test_reference_scores_ignore_right_padding(S, G, block_stride, seed, data):
     block_size, stride = block_stride
     lens = torch.tensor(data.draw(st.lists(st.integers(1, S), min_size=2, max_size=2)))
     q, k = padded_qk(2, 2, G, S, 8, lens, seed, dtype=torch.float64)
-    got = xattention.xattention_scores_naive(q, k, block_size, stride, lengths=lens)
+    got = xattention.xattention_scores_reference(q, k, block_size, stride, lengths=lens)
     assert_close(got, truncated_scores(q, k, lens, block_size, stride), 1e-12, 1e-12, f"lengths {lens.tolist()}")
 
 
@@ -251,14 +250,14 @@ def test_naive_scores_ignore_right_padding(S, G, block_stride, seed, data):
     (130, [1, 65], 64, 16, 4),    # a single real token; g = 4 groups per block
     (300, [300, 131], 8, 4, 3),   # several score tiles per program (BLOCK_N 16), G = 3 padded to 4
 ])
-def test_triton_scores_with_lengths_match_naive(S, lens, block_size, stride, G, dtype):
+def test_triton_scores_with_lengths_match_reference(S, lens, block_size, stride, G, dtype):
     lens = torch.tensor(lens)
     q, k = padded_qk(2, 2, G, S, 16, lens, seed=S, dtype=dtype, device=TRITON_DEVICE)
     got = xattention.xattention_scores(q, k, block_size, stride, backend="triton", lengths=lens.to(TRITON_DEVICE),
                                        BLOCK_N=16)
-    want = xattention.xattention_scores_naive(q, k, block_size, stride, lengths=lens)
+    want = xattention.xattention_scores_reference(q, k, block_size, stride, lengths=lens)
     assert_close(got, want, what=f"lengths {lens.tolist()} {dtype}", **triton_tol(dtype, TRITON_DEVICE))
-    assert_close(want, truncated_scores(q, k, lens, block_size, stride), 1e-5, 1e-5, "naive vs truncated")
+    assert_close(want, truncated_scores(q, k, lens, block_size, stride), 1e-5, 1e-5, "reference vs truncated")
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
@@ -288,7 +287,7 @@ def test_lengths_are_checked():
         with pytest.raises(ValueError, match=match):
             xattention.xattention_block_mask(q, k, 16, 4, 0.9, lengths=bad)
         with pytest.raises(ValueError, match=match):
-            xattention.xattention_scores_naive(q, k, 16, 4, lengths=bad)
+            xattention.xattention_scores_reference(q, k, 16, 4, lengths=bad)
 
 # -----------------------------------------------------------------------------
 # Picking: the properties xattention_select promises, on drawn scores.
@@ -342,13 +341,13 @@ def test_block_mask_properties(S, G, threshold, block_stride, seed):
     mask = xattention.xattention_block_mask(q, k, block_size, stride, threshold, backend="reference")
     nB = masks.num_blocks(S, block_size)
     assert mask.shape == (1, 2, nB, nB)
-    check_selection(xattention.xattention_scores_naive(q, k, block_size, stride), mask, threshold)
+    check_selection(xattention.xattention_scores_reference(q, k, block_size, stride), mask, threshold)
 
 
 def test_threshold_one_keeps_every_causal_block():
     q, k = random_qk(2, 2, 2, 150, 16, seed=3)
     for scores_mask in (xattention.xattention_block_mask(q, k, 16, 4, 1.0),
-                        xattention.xattention_select(xattention.xattention_scores_naive(q, k, 16, 4), 1.0)):
+                        xattention.xattention_select(xattention.xattention_scores_reference(q, k, 16, 4), 1.0)):
         assert torch.equal(scores_mask, causal_blocks(10).expand(2, 2, 10, 10))
 
 
@@ -442,7 +441,7 @@ def test_bad_input_scores_and_select():
     with pytest.raises(ValueError, match="stride"):
         xattention.xattention_scores(q, k, 16, 3)
     with pytest.raises(ValueError, match="stride"):
-        xattention.xattention_scores_naive(q, k, 16, 5)
+        xattention.xattention_scores_reference(q, k, 16, 5)
     with pytest.raises(ValueError, match="float64"):
         xattention.xattention_scores(q.double(), k.double(), 16, 4, backend="triton")
     for bad in (8, 48, 16.0):   # tl.dot needs >= 16; a power of two; an int
