@@ -1,38 +1,45 @@
-"""bench.py — the fused hybrid-attention kernel against torch's attention, on one GPU.
+"""bench.py — the fused hybrid-attention kernel against PyTorch's attention, on one GPU.
 
-Causal prefill at Llama-3.1-8B attention shapes (bf16, B = 1, Hq = 32, Hkv = 8, D = 128), with a
-fraction f of the KV heads STREAMING (sink 128 + window 2048) and the rest FULL, plus one setting
-where every head is BLOCK_SPARSE at ~90 % block sparsity. Side by side, in one process:
+Four tables, one per claim; ratios above 1 mean ours is faster.
 
-    ours    kernels.fused_hybrid_attention: one launch, each head walks only its own tiles
-    flex    torch.compile'd FlexAttention with one BlockMask holding every head's mode
-            (its mask_mod reads a per-head mode tensor; the BlockMask is built once, timed apart)
-    sdpa    torch SDPA, dense causal (what you run without Elastic Attention)
-    split   SDPA on the FULL heads + FlexAttention on the STREAMING heads, merged into one output
-            (the gather/scatter copies are part of its cost, as in the paper's §7 baseline)
+    forward     causal prefill at Llama-3.1-8B attention shapes (preset "llama3-8b": B 1, Hq 32,
+                Hkv 8, D 128, sink 128, window 2048; bf16; S 32K and 128K), a fraction f of the KV
+                heads STREAMING and the rest FULL, plus one setting "bsparse" where every head is
+                BLOCK_SPARSE (128-token blocks, ~90 % of them off). Side by side, in one process:
+        ours    kernels.fused_hybrid_attention: one launch, each head walks only its own tiles
+        flex    compiled FlexAttention, one BlockMask holding every head's mode
+        split   SDPA on the FULL heads + Flex on the STREAMING heads, merged into one output (the
+                paper's §7 baseline; the gathers and the scatter are part of its cost)
+        sdpa    dense causal SDPA: what runs without Elastic Attention
+                TF/s counts useful FLOPs (masks.attention_flops); "ideal" is the speedup over our
+                own all-FULL time those FLOPs allow, "of_ideal" the share of it we reach.
+    backward    the same peers, forward + backward (dq, dk, dv from one upstream gradient), at
+                S 32K, f 0 and 0.75, and bsparse.
+    xattention  XAttention's block selection (xattention.py: scoring, then picking) as a share of
+                dense SDPA, and the attention that uses it: FA-XA, against FA-SSA and XA-SSA;
+                the forward's S, each f > 0.
+    decode      one new token per sample against a cache of S tokens: decode.py's compact cache
+                (sink + window rows for a STREAMING head) against SDPA, Flex and the model's masked
+                reference, which read the whole cache for every head; the experiment's gpu model
+                at 4K and Llama's heads at 8K, 32K, 128K, batch 1 and 16. Decode is memory-bound,
+                so the ideal speedup over SDPA is full bytes / compact bytes.
 
-Reported per (S, f): median ms (triton.testing.do_bench), effective TFLOP/s (useful FLOPs from
-masks.attention_flops over time), speedup over SDPA dense, the ideal speedup from FLOP counts,
-and each peer's max |difference| from our output. Writes bench.json (on a GPU also bench_speedup.png)
-to --out, default runs/bench, and prints compact tables last.
+Every peer's Flex mask is built from masks.py's predicates, the rule our kernel is tested against.
+Times are triton.testing.do_bench medians. Writes bench.json (and bench_speedup.png) to --out.
+Shape letters: B batch, S sequence (or cache) length, Hq query heads, Hkv KV heads, G = Hq / Hkv,
+D head dim, f the share of STREAMING KV heads.
 
-    python bench.py                      # the forward grid (several minutes on an H200)
-    python bench.py --quick              # S = 8K, 32K; f = 0, 0.5, 1
-    python bench.py --backward           # also forward+backward against Flex, split and SDPA
-    python bench.py --train              # router-training step: backend "torch" vs "triton"
-    python bench.py --old kernels_old    # also time another kernels module's forward (before/after)
-    python bench.py --bwd-tune           # backward tile configs (with --old: that module's backward too)
-    python bench.py --decode             # decode: compact per-head KV cache vs full-cache peers
-Without CUDA it runs a tiny smoke test on the CPU (Triton interpreter, eager Flex): it checks that
-every code path runs and that the peers agree with ours, and prints no times (an interpreter's say
-nothing about speed; bench.json keeps them) and no PNG.
+    python bench.py                                     # every table
+    python bench.py --tables decode --cudagraph         # one table; decode timed as graph replays
+
+Without CUDA it is a smoke test on the CPU (preset "tiny", S = 128, Triton's interpreter, eager
+Flex): every path runs once and is compared with ours; it prints no times, since an interpreter's
+say nothing about speed.
 """
 import argparse
-import importlib
 import json
 import math
 import os
-import statistics
 import time
 import warnings
 
@@ -42,127 +49,39 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():  # smoke-test mode: must be set before triton is imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA = torch.cuda.is_available()
+if __name__ == "__main__" and not CUDA:  # the smoke test runs the kernels in Triton's interpreter,
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # which must be chosen before triton is imported
 
 import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
+import triton.testing  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
+import decode  # noqa: E402
 import kernels  # noqa: E402
 import masks  # noqa: E402
 import xattention  # noqa: E402
+from elastic_attention import Config  # noqa: E402
 from masks import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-CPU_MAX_SEQ_LEN = 4096  # the CPU smoke test's eager Flex and naive peers hold Hq·S² floats
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float16    # Triton's interpreter has no bf16
+TABLES = ("forward", "backward", "xattention", "decode")
+# Block 128: FlexAttention's sparse block too, so the block-sparse setting favours neither side.
+SHAPES = Config.preset("llama3-8b", block_size=128) if CUDA else Config.preset("tiny")
+# Decode grid (preset, context lengths S, batch sizes): the experiment's gpu model and Llama's heads.
+DECODE_GRID = [("gpu", [4096], [1, 16]), ("llama3-8b", [8192, 32768, 131072], [1, 16])] if CUDA \
+    else [("tiny", [128], [1, 2])]
+CPU_MAX_SEQ_LEN = 4096   # the smoke test's eager Flex and masked peers hold Hq·S² values
+# Compiled on a GPU: Flex's fused kernels, and a BlockMask made without an S×S mask in memory.
+flex = torch.compile(flex_attention, dynamic=False) if CUDA else flex_attention
+flex_block_mask_from = torch.compile(create_block_mask) if CUDA else create_block_mask
+# Only SDPA's fused backends: a peer that fell back to the math backend would flatter us.
+FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 # ----------------------------------------------------------------------------------------------
-# Arguments
-
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-parser.add_argument("--seq-lens", type=str, default="8192,32768,65536,131072" if CUDA else "256",
-                    help="comma-separated sequence lengths S of the forward grid")
-parser.add_argument("--fracs", type=str, default="0,0.25,0.5,0.75,1", help="fractions of STREAMING KV heads")
-parser.add_argument("--quick", action="store_true", help="S = 8K, 32K and f = 0, 0.5, 1 only")
-parser.add_argument("--heads", type=int, default=32 if CUDA else 4, help="query heads Hq (Llama-3.1-8B: 32)")
-parser.add_argument("--kv-heads", type=int, default=8 if CUDA else 2, help="KV heads Hkv (Llama-3.1-8B: 8)")
-parser.add_argument("--head-dim", type=int, default=128 if CUDA else 32, help="head dim D (Llama-3.1-8B: 128)")
-parser.add_argument("--sink", type=int, default=128 if CUDA else 16, help="STREAMING sink tokens (paper: 128)")
-parser.add_argument("--window", type=int, default=2048 if CUDA else 64, help="STREAMING window (paper: 2048)")
-parser.add_argument("--block-size", type=int, default=128 if CUDA else 32,
-                    help="block-sparse setting's mask block (128 = FlexAttention's block too)")
-parser.add_argument("--block-sparsity", type=float, default=0.9, help="fraction of causal blocks off")
-parser.add_argument("--no-block-sparse", action="store_true", help="skip the all-BLOCK_SPARSE setting")
-parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (and the split baseline's Flex part)")
-parser.add_argument("--no-split", action="store_true", help="skip the split baseline")
-parser.add_argument("--old", type=str, default=None,
-                    help="module name of another kernels.py (e.g. an earlier version saved as kernels_old.py): "
-                         "its forward is timed beside ours in the same run")
-parser.add_argument("--backward", action="store_true",
-                    help="also time forward+backward (ours, Flex, split, SDPA) at --bwd-seq-lens")
-parser.add_argument("--bwd-seq-lens", type=str, default="32768" if CUDA else "256",
-                    help="sequence lengths of the forward+backward timings (a subset of --seq-lens)")
-parser.add_argument("--bwd-fracs", type=str, default=None,
-                    help="fractions f of the forward+backward timings (default: all of --fracs)")
-parser.add_argument("--train", action="store_true",
-                    help="time one router-training step (training mix, forward+backward) through backend "
-                         "'torch' and 'triton' at --train-seq-lens")
-parser.add_argument("--train-only", action="store_true", help="only the --train section")
-parser.add_argument("--train-seq-lens", type=str, default="4096,8192,16384,32768" if CUDA else "128",
-                    help="sequence lengths of the training-step section")
-parser.add_argument("--train-batch", type=int, default=1, help="samples per training step")
-parser.add_argument("--tune", action="store_true", help="time a few tile configs of our kernel at --tune-seq-len")
-parser.add_argument("--tune-seq-len", type=int, default=32768 if CUDA else 256, help="S of the --tune sweep")
-parser.add_argument("--bwd-tune", action="store_true",
-                    help="time a few backward tile configs (dk/dv, dq) at --tune-seq-len, backward alone; "
-                         "--backward then runs the fastest all-FULL one")
-parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-parser.add_argument("--seed", type=int, default=0, help="random seed of inputs, modes and block masks")
-parser.add_argument("--out", type=str, default="runs/bench", help="folder for bench.json and bench_speedup.png")
-parser.add_argument("--replot", type=str, default=None, help="redraw PNG and table from a bench.json, run nothing")
-parser.add_argument("--xa", action="store_true", help="also time FA-XA: XAttention selection + attention")
-parser.add_argument("--xa-only", action="store_true", help="only the FA-XA section")
-parser.add_argument("--xa-stride", type=int, default=16 if CUDA else 4, help="XAttention stride (paper 16)")
-parser.add_argument("--xa-threshold", type=float, default=0.9, help="XAttention kept mass (paper 0.9)")
-parser.add_argument("--decode", action="store_true", help="only the decode section (compact KV cache)")
-parser.add_argument("--decode-tune", action="store_true", help="decode: time a few kernel configs at 128K")
-parser.add_argument("--decode-cudagraph", action="store_true",
-                    help="decode: time ours/sdpa/flex as CUDA-graph replays (no launch overhead)")
-parser.add_argument("--decode-flex-budget-s", type=float, default=120.0,
-                    help="decode: skip FlexAttention (a compile per shape) once the section ran this long")
-args = parser.parse_args()
-if args.quick:
-    args.seq_lens, args.fracs = ("8192,32768" if CUDA else "256"), "0,0.5,1"
-seq_lens = [int(s) for s in args.seq_lens.split(",")]
-bwd_seq_lens = [int(s) for s in args.bwd_seq_lens.split(",")]
-train_seq_lens = [int(s) for s in args.train_seq_lens.split(",")]
-fracs = [float(f) for f in args.fracs.split(",")]
-bwd_fracs = [float(f) for f in args.bwd_fracs.split(",")] if args.bwd_fracs else fracs
-B, Hq, Hkv, D = 1, args.heads, args.kv_heads, args.head_dim
-G = Hq // Hkv
-dtype = torch.bfloat16 if CUDA else torch.float16   # the interpreter has no bf16
-device = "cuda" if CUDA else "cpu"
-FLEX_BLOCK = 128 if CUDA else 32                    # FlexAttention's (default) sparse block
-if not CUDA:
-    too_long = [S for S in seq_lens + bwd_seq_lens + train_seq_lens + [args.tune_seq_len] if S > CPU_MAX_SEQ_LEN]
-    if too_long:  # refused before anything is allocated
-        parser.error(f"no CUDA device: this is a CPU smoke test, and S = {too_long} would not fit "
-                     f"(the CPU peers hold Hq·S² floats); use S <= {CPU_MAX_SEQ_LEN}, e.g. the defaults")
-    print("No CUDA device: CPU smoke test (Triton interpreter, eager FlexAttention). It checks the code "
-          "paths only (each runs, the peers agree with ours): no times, no PNG.")
-    # Eager Flex on a CPU warns on every call that it is unfused: known, and the point of a smoke test.
-    warnings.filterwarnings("ignore", message=".*flex_attention.*")
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.nn.attention.flex_attention")
-os.makedirs(args.out, exist_ok=True)
-old_kernels = importlib.import_module(args.old) if args.old else None
-
-# ----------------------------------------------------------------------------------------------
-# Timing, peers and their masks
-
-if CUDA:
-    import triton.testing
-
-    def bench_ms(fn):
-        return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
-
-    # Many (shape, mask) combinations: let dynamo keep every compiled Flex variant.
-    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                 "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 256)
-    flex = torch.compile(flex_attention, dynamic=False)
-else:
-    def bench_ms(fn, n=1):  # smoke test only: wall clock, median of n
-        fn()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    flex = flex_attention  # eager (unfused) on the CPU
+# Timing and the one table helper
 
 
 def sync():
@@ -170,97 +89,14 @@ def sync():
         torch.cuda.synchronize()
 
 
-def sdpa_gqa(q, k, v):
-    """Causal SDPA with Hkv < Hq. Uses enable_gqa on the fast backends when this torch allows it,
-    else repeats the KV heads (inside the call: that copy is part of the cost)."""
-    if SDPA_GQA:
-        with torch.nn.attention.sdpa_kernel(FAST_SDPA):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    g = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                                          is_causal=True)
-
-
-SDPBackend = torch.nn.attention.SDPBackend
-FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-try:  # probe once on a small case
-    _q = torch.randn(1, 4, 256, D, device=device, dtype=dtype)
-    _k = torch.randn(1, 2, 256, D, device=device, dtype=dtype)
-    with torch.nn.attention.sdpa_kernel(FAST_SDPA):
-        F.scaled_dot_product_attention(_q, _k, _k, is_causal=True, enable_gqa=True)
-    SDPA_GQA = True
-except Exception:  # noqa: BLE001 (old torch, or no fast backend takes GQA)
-    SDPA_GQA = False
-
-
-def hybrid_mask_mod(modes_q, block_mask_q, sink, window, block_size):
-    """FlexAttention mask_mod over query heads: the same predicate as masks.hybrid_mask, with
-    the mode read per (sample, query head) from a tensor. Flex evaluates it only on partial blocks."""
-    def mask_mod(b, h, q_idx, kv_idx):
-        mode = modes_q[b, h]
-        causal = kv_idx <= q_idx
-        stream = (kv_idx < sink) | (q_idx - kv_idx < window)
-        blocks = block_mask_q[b, h, q_idx // block_size, kv_idx // block_size]
-        return causal & ((mode == FULL) | ((mode == STREAMING) & stream) | ((mode == BLOCK_SPARSE) & blocks))
-    return mask_mod
-
-
-def flex_block_mask(S, modes, sink, window, block_mask=None, block_size=128, rows_per_chunk=2048, backward=False):
-    """One FlexAttention BlockMask for per-head modes, built exactly and without an S×S mask per
-    query head: masks.hybrid_mask is evaluated per KV head on chunks of query rows and reduced
-    to 'some pair visible' / 'every pair visible' per FLEX_BLOCK² block (the same result as
-    create_block_mask, whose uncompiled form would materialise B·Hq·S² bools at S = 128K)."""
-    Bm, Hk = modes.shape
-    nb = S // FLEX_BLOCK
-    partial = torch.zeros(Bm, Hk, nb, nb, dtype=torch.bool, device=device)
-    full = torch.zeros_like(partial)
-    for r0 in range(0, S, rows_per_chunk):
-        rows = torch.arange(r0, min(S, r0 + rows_per_chunk), device=device)
-        m = masks.hybrid_mask(S, modes, sink, window, block_mask, block_size, q_idx=rows)   # (B, Hkv, rows, S)
-        m = m.view(Bm, Hk, len(rows) // FLEX_BLOCK, FLEX_BLOCK, nb, FLEX_BLOCK)
-        anyv, allv = m.any(5).any(3), m.all(5).all(3)                                 # (B, Hkv, rows/blk, nb)
-        partial[:, :, r0 // FLEX_BLOCK: r0 // FLEX_BLOCK + anyv.shape[2]] = anyv & ~allv
-        full[:, :, r0 // FLEX_BLOCK: r0 // FLEX_BLOCK + anyv.shape[2]] = allv
-
-    def to_indices(bm):  # (B, Hkv, nb, nb) bool → counts and ascending indices, expanded to Hq
-        bm = bm.repeat_interleave(G, 1)                                               # (B, Hq, nb, nb)
-        cnt = bm.sum(-1, dtype=torch.int32)
-        idx = torch.sort((~bm).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-        return cnt, idx
-
-    if block_mask is None:  # all-off stand-in of the real shape, so one mask_mod serves every setting
-        n = masks.num_blocks(S, block_size)
-        block_mask = torch.zeros(Bm, Hk, n, n, dtype=torch.bool, device=device)
-    bm_q = block_mask.repeat_interleave(G, 1).contiguous()                            # (B, Hq, nB, nB)
-    modes_q = modes.repeat_interleave(G, 1).to(torch.int32).contiguous()              # (B, Hq)
-    mask_mod = hybrid_mask_mod(modes_q, bm_q, sink, window, block_size)
-    # Forward only: skip the transposed (per key block) index that only the backward pass reads.
-    has_flag = "compute_q_blocks" in BlockMask.from_kv_blocks.__code__.co_varnames
-    extra = {"compute_q_blocks": False} if has_flag and not backward else {}
-    return BlockMask.from_kv_blocks(*to_indices(partial), *to_indices(full), BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=mask_mod, **extra)
-
-
-def modes_for(frac, perm):
-    """(1, Hkv) modes with round(frac·Hkv) STREAMING heads, picked by a fixed random permutation
-    (nested as f grows), the rest FULL."""
-    modes = torch.full((B, Hkv), FULL, dtype=torch.int32)
-    modes[0, perm[:round(frac * Hkv)]] = STREAMING
-    return modes.to(device)
-
-
-def random_block_mask(S, block_size, sparsity, gen):
-    """(1, Hkv, nB, nB) bool, XAttention-like: the sink column and the diagonal always on, other
-    causal blocks on at random so that about (1 - sparsity) of the causal blocks are on."""
-    nb = masks.num_blocks(S, block_size)
-    causal_blocks = nb * (nb + 1) / 2
-    forced = 2 * nb - 1
-    p = max(0.0, ((1 - sparsity) * causal_blocks - forced) / max(1.0, causal_blocks - forced))
-    bm = torch.rand(B, Hkv, nb, nb, generator=gen) < p
-    idx = torch.arange(nb)
-    bm[..., idx, idx] = True
-    bm[..., :, 0] = True
-    return (bm & torch.ones(nb, nb, dtype=torch.bool).tril()).to(device)
+def time_ms(fn, args, graph=False):
+    """Median ms of fn: do_bench (warm-up, then repetitions, each after an L2 flush), or with
+    graph=True replays of a captured CUDA graph (no launch cost, no flush). None on the CPU."""
+    if not CUDA:
+        return None
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
 
 
 def max_diff(a, b):
@@ -270,509 +106,376 @@ def max_diff(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
-def setting_name(r):
-    """A result row's setting as the tables print it: the streaming fraction, or block-sparse."""
-    return f"f={r['frac']:.2f}" if r["kind"] == "hybrid" else "bsparse"
+def ratio(a, b):
+    return a / b if a and b else None
 
 
-def fmt(x, spec, suffix=""):
-    return "-" if x is None else format(x, spec) + suffix
-
-
-def timed_build(fn):
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    return out, (time.perf_counter() - t0) * 1e3
-
-
-def run_peer(name, fn, ref, record):
-    """Time one peer, check it against our output; a failing peer is recorded, not fatal."""
+def measure(rec, name, fn, ref, args, graph=False):
+    """Run fn once (that first call, compilation included, timed apart), then record its max
+    |difference| from ref and its median time as rec[name + "_diff"], rec[name + "_ms"]. A peer
+    that fails is recorded and printed, not fatal: the other columns still mean something."""
     try:
-        _, first_ms = timed_build(fn)                 # first call: includes any compilation
+        sync()
+        t0 = time.perf_counter()
         out = fn()
-        record[f"{name}_first_call_ms"] = first_ms
-        record[f"{name}_diff"] = max_diff(out, ref) if ref is not None else None
-        del out
-        record[f"{name}_ms"] = bench_ms(fn)
+        sync()
+        rec[f"{name}_first_call_ms"] = 1e3 * (time.perf_counter() - t0)
+        rec[f"{name}_diff"] = None if ref is None else max_diff(out, ref)
+        rec[f"{name}_ms"] = time_ms(fn, args, graph)
+        return out
     except Exception as e:  # noqa: BLE001
-        record[f"{name}_ms"] = None
-        record[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print(f"  {name} failed: {record[f'{name}_error']}")
+        rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"  {name} failed: {rec[f'{name}_error']}", flush=True)
 
-def make_split(S, modes, backward=False):
-    """The split baseline as a function (q, k, v) -> o: SDPA on the FULL heads' query and KV heads,
-    Flex on the STREAMING ones, scattered into one output. None when it needs Flex and Flex is off."""
-    kv_f = (modes[0] == FULL).nonzero().flatten()                        # FULL KV heads
-    kv_s = (modes[0] == STREAMING).nonzero().flatten()
-    q_f = (kv_f[:, None] * G + torch.arange(G, device=device)).flatten()  # their query heads
-    q_s = (kv_s[:, None] * G + torch.arange(G, device=device)).flatten()
-    stream_mask = None
-    if len(kv_s):
-        if args.no_flex:
-            return None
-        stream_modes = torch.full((B, len(kv_s)), STREAMING, dtype=torch.int32, device=device)
-        stream_mask = flex_block_mask(S, stream_modes, args.sink, args.window, backward=backward)
+
+def table(title, keys, times, checks):
+    """Print a title and a header; return a function that prints one record as a row under it.
+    Each column is a (record key, format spec) pair, headed by its key (bench.json's name for it);
+    a missing value prints as "-". The times and the ratios made of them show on a GPU only."""
+    columns = keys + (times if CUDA else []) + checks
+    widths = [max(len(key), 8) for key, _ in columns]
+    print(f"\n{title}\n" + "  ".join(key.rjust(w) for (key, _), w in zip(columns, widths)), flush=True)
+
+    def row(rec):
+        cells = ["-" if rec.get(key) is None else format(rec[key], spec) for key, spec in columns]
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
+    return row
+
+# ----------------------------------------------------------------------------------------------
+# The settings and the peers
+
+
+def modes_with(frac, perm, B=1):
+    """(B, Hkv) int32 modes: round(frac·Hkv) STREAMING heads, the first of a fixed random
+    permutation (so the STREAMING set grows with f), the rest FULL; the same in every sample."""
+    modes = torch.full((B, len(perm)), FULL, dtype=torch.int32)
+    modes[:, perm[:round(frac * len(perm))]] = STREAMING
+    return modes.to(DEVICE)
+
+
+def random_block_mask(S, block_size, sparsity, Hkv, gen):
+    """(1, Hkv, nB, nB) bool, XAttention-like: the sink column and the diagonal always on, other
+    causal blocks on at random so that about (1 - sparsity) of the causal blocks are on."""
+    nb = masks.num_blocks(S, block_size)
+    causal_blocks, forced = nb * (nb + 1) / 2, 2 * nb - 1
+    p = max(0.0, ((1 - sparsity) * causal_blocks - forced) / max(1.0, causal_blocks - forced))
+    bm = torch.rand(1, Hkv, nb, nb, generator=gen) < p
+    bm[..., :, 0] = True
+    bm |= torch.eye(nb, dtype=torch.bool)
+    return (bm & torch.ones(nb, nb, dtype=torch.bool).tril()).to(DEVICE)
+
+
+def settings(S, fracs, perm, args, gen):
+    """The prefill settings at one S: (name, f, modes, block_mask) for each f, then every head
+    BLOCK_SPARSE."""
+    for frac in fracs:
+        yield f"f={frac:.2f}", frac, modes_with(frac, perm), None
+    bm = random_block_mask(S, SHAPES.block_size, args.block_sparsity, SHAPES.n_kv_heads, gen)
+    yield "bsparse", None, torch.full((1, len(perm)), BLOCK_SPARSE, dtype=torch.int32, device=DEVICE), bm
+
+
+def mode_predicate(modes, sink, window, block_mask=None, block_size=None):
+    """masks.hybrid_mask's rule as one predicate over (sample, KV head, query, key): each head's
+    mode picks masks.causal, masks.streaming or masks.block_sparse."""
+    def runs(mode):
+        return lambda b, h, q_idx, kv_idx: modes[b, h] == mode
+    parts = [masks.and_masks(runs(FULL), masks.causal),
+             masks.and_masks(runs(STREAMING), masks.streaming(sink, window))]
+    if block_mask is not None:
+        parts.append(masks.and_masks(runs(BLOCK_SPARSE), masks.block_sparse(block_mask, block_size)))
+    return masks.or_masks(*parts)
+
+
+def flex_block_mask(predicate, H, G, kv_len, q_len=None):
+    """FlexAttention's BlockMask for a predicate over (sample, KV head, query, key). Flex numbers
+    query heads, hence h // G (H None: the same mask for every head); its q_len queries are the
+    last positions (decode: one query at kv_len − 1). Every sample shares sample 0's modes."""
+    q_len = q_len or kv_len
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return predicate(b, h // G, q_idx + (kv_len - q_len), kv_idx)
+    return flex_block_mask_from(mask_mod, None, H, q_len, kv_len, device=DEVICE)
+
+
+def sdpa(q, k, v, is_causal=True):
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+    with sdpa_kernel(FAST_SDPA):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+
+
+def split_attention(modes, S):
+    """The split baseline as attention(q, k, v): SDPA on the FULL heads' query and KV heads, Flex
+    on the STREAMING ones, scattered into one output."""
+    G = SHAPES.n_heads // SHAPES.n_kv_heads
+    kv_full = (modes[0] == FULL).nonzero().flatten()                              # FULL KV heads
+    kv_stream = (modes[0] == STREAMING).nonzero().flatten()
+    q_full = (kv_full[:, None] * G + torch.arange(G, device=DEVICE)).flatten()    # their query heads
+    q_stream = (kv_stream[:, None] * G + torch.arange(G, device=DEVICE)).flatten()
+    if len(kv_stream):
+        stream_mask = flex_block_mask(masks.streaming(SHAPES.sink, SHAPES.window), None, 1, S)
 
     def split(q, k, v):
-        out = torch.empty_like(q)                                        # (B, Hq, S, D)
-        if len(kv_f):
-            out[:, q_f] = sdpa_gqa(q[:, q_f], k[:, kv_f], v[:, kv_f])
-        if len(kv_s):
-            out[:, q_s] = flex(q[:, q_s], k[:, kv_s], v[:, kv_s], block_mask=stream_mask, enable_gqa=True)
-        return out
+        o = torch.empty_like(q)                                                   # (B, Hq, S, D)
+        if len(kv_full):
+            o[:, q_full] = sdpa(q[:, q_full], k[:, kv_full], v[:, kv_full])
+        if len(kv_stream):
+            o[:, q_stream] = flex(q[:, q_stream], k[:, kv_stream], v[:, kv_stream], block_mask=stream_mask,
+                                  enable_gqa=True)
+        return o
     return split
 
 
-def backward_timings(q, k, v, modes, bm, bs, kind, rec, bwd_cfg=None):
-    """Forward+backward ms (one upstream gradient do, dq/dk/dv returned) of ours, Flex, the split
-    baseline and SDPA dense; each peer's gradients' max |difference| from ours."""
-    S = q.shape[2]
-    do = torch.randn_like(q)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-
-    def fwd_bwd(attention):
-        return lambda: torch.autograd.grad(attention(*leaves), leaves, do)
-    ours = fwd_bwd(lambda q, k, v: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs,
-                                                                  bwd_config=bwd_cfg))
-    try:
-        g_ours = ours()
-        rec["ours_fb_ms"] = bench_ms(ours)
-    except Exception as e:  # noqa: BLE001 (reported, the grid goes on)
-        rec["ours_fb_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print(f"  ours forward+backward failed: {rec['ours_fb_error']}")
-        return
-    if old_kernels is not None:  # the other kernels module (its own default configs), right after ours
-        run_peer("old_fb", fwd_bwd(lambda q, k, v: old_kernels.fused_hybrid_attention(
-            q, k, v, modes, args.sink, args.window, bm, bs)), g_ours, rec)
-    if kind == "hybrid" and not modes.any():
-        run_peer("sdpa_fb", fwd_bwd(sdpa_gqa), g_ours, rec)
-    else:
-        rec["sdpa_fb_ms"] = bench_ms(fwd_bwd(sdpa_gqa))
-    if not CUDA and not args.no_flex:
-        print("  (FlexAttention has no backward on a CPU: Flex and split skipped in forward+backward)")
-    if CUDA and not args.no_flex:
-        block_mask = flex_block_mask(S, modes, args.sink, args.window, bm, bs, backward=True)
-        run_peer("flex_fb", fwd_bwd(lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=True)),
-                 g_ours, rec)
-        del block_mask
-    if CUDA and kind == "hybrid" and not args.no_split:
-        split = make_split(S, modes, backward=True)
-        if split is not None:
-            run_peer("split_fb", fwd_bwd(split), g_ours, rec)
-        del split
-    for peer in ("flex", "split", "sdpa", "old"):
-        ms = rec.get(f"{peer}_fb_ms")
-        rec[f"ours_fb_vs_{peer}"] = ms / rec["ours_fb_ms"] if ms else None
-    if CUDA:
-        print(f"  forward+backward S={S} {kind} f={rec['frac']}: ours {rec['ours_fb_ms']:.3f} ms, "
-              f"flex {fmt(rec.get('flex_fb_ms'), '.3f')}, split {fmt(rec.get('split_fb_ms'), '.3f')}, "
-              f"sdpa {fmt(rec.get('sdpa_fb_ms'), '.3f')}, old {fmt(rec.get('old_fb_ms'), '.3f')}", flush=True)
-    else:
-        print(f"  forward+backward S={S} {kind} f={rec['frac']}: ran " + ", ".join(
-            p for p in ("ours", "flex", "split", "sdpa", "old") if rec.get(f"{p}_fb_ms")), flush=True)
+def prefill_peers(S, modes, block_mask, backward):
+    """name → attention(q, k, v) for one setting: ours first, then Flex, then split where the heads
+    are FULL and STREAMING only. (FlexAttention has no backward on the CPU.)"""
+    cfg, G = SHAPES, SHAPES.n_heads // SHAPES.n_kv_heads
+    peers = {"ours": lambda q, k, v: kernels.fused_hybrid_attention(q, k, v, modes, cfg.sink, cfg.window,
+                                                                    block_mask, cfg.block_size)}
+    if backward and not CUDA:
+        return peers
+    hybrid = flex_block_mask(mode_predicate(modes, cfg.sink, cfg.window, block_mask, cfg.block_size),
+                             cfg.n_heads, G, S)
+    peers["flex"] = lambda q, k, v: flex(q, k, v, block_mask=hybrid, enable_gqa=True)
+    if block_mask is None:
+        peers["split"] = split_attention(modes, S)
+    return peers
 
 # ----------------------------------------------------------------------------------------------
-# Router training: one step of the training mix, backend "torch" (today's path) vs "triton"
-
-# The experiment's model (elastic_attention.Config.preset("gpu")): width 128, 4 layers, 8 query
-# heads, 4 KV heads, head dim 16, sink 32, window 512. Sink and window stay fixed at every S.
-TRAIN_SHAPE = dict(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=16, sink=32, window=512)
+# Prefill: forward, and forward + backward
 
 
-def train_section(gen):
-    """One router-training step as a kernel-level mock of the model: per layer, q/k/v projections,
-    the training mix O = z·O_full + (1 − z)·O_sparse (METHOD.md §5) with O_full (all heads FULL)
-    and O_sparse (all heads STREAMING) from two hybrid_attention calls, an output projection and a
-    residual; then backward, with the projections and the gate logits requiring grad (so q, k, v
-    do). float32 with TF32 matmuls, as train_router.py runs the model. Reports the median step
-    time, the peak GPU memory of a step and the max relative difference of the gradients."""
-    C, L, Hq_t, Hkv_t, D_t, sink, window = (TRAIN_SHAPE[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
-                                                                      "head_dim", "sink", "window"))
-    Bt, Gt = args.train_batch, Hq_t // Hkv_t
-    if CUDA:
-        torch.backends.cuda.matmul.allow_tf32 = True
-    rows = []
-    for S in train_seq_lens:
-        g = torch.Generator().manual_seed(args.seed)
-        x = torch.randn(Bt, S, C, generator=g).to(device)
-        w_qkv = [(torch.randn(C, (Hq_t + 2 * Hkv_t) * D_t, generator=g) / C ** 0.5).to(device).requires_grad_()
-                 for _ in range(L)]
-        w_o = [(torch.randn(Hq_t * D_t, C, generator=g) / (Hq_t * D_t) ** 0.5).to(device).requires_grad_()
-               for _ in range(L)]
-        gate_logits = torch.zeros(L, Hkv_t, device=device, requires_grad=True)
-        params = w_qkv + w_o + [gate_logits]
-        full = torch.full((Bt, Hkv_t), FULL, dtype=torch.int32, device=device)
-        stream = torch.full((Bt, Hkv_t), STREAMING, dtype=torch.int32, device=device)
-
-        def step(backend):
-            for p in params:
-                p.grad = None
-            h = x
-            for layer in range(L):
-                q, k, v = (h @ w_qkv[layer]).split([Hq_t * D_t, Hkv_t * D_t, Hkv_t * D_t], -1)
-                q = q.view(Bt, S, Hq_t, D_t).transpose(1, 2)                      # (B, Hq, S, D)
-                k = k.view(Bt, S, Hkv_t, D_t).transpose(1, 2)                     # (B, Hkv, S, D)
-                v = v.view(Bt, S, Hkv_t, D_t).transpose(1, 2)
-                o_full = kernels.hybrid_attention(q, k, v, full, sink, window, backend=backend)
-                o_sparse = kernels.hybrid_attention(q, k, v, stream, sink, window, backend=backend)
-                z = torch.sigmoid(gate_logits[layer]).repeat_interleave(Gt).view(1, Hq_t, 1, 1)
-                o = z * o_full + (1 - z) * o_sparse                               # (B, Hq, S, D)
-                h = h + o.transpose(1, 2).reshape(Bt, S, Hq_t * D_t) @ w_o[layer]
-            h.square().mean().backward()
-            return [p.grad.clone() for p in (w_qkv[0], gate_logits)]
-
-        grads = {}
-        for backend in ("torch", "triton"):
-            rec = dict(S=S, backend=backend, batch=Bt)
-            try:
-                grads[backend] = step(backend)                                    # warm-up (compiles)
-                if CUDA:  # on a CPU the one step above is the smoke test
-                    sync()
-                    torch.cuda.reset_peak_memory_stats()
-                    times = []
-                    for _ in range(3):
-                        t0 = time.perf_counter()
-                        step(backend)
-                        sync()
-                        times.append((time.perf_counter() - t0) * 1e3)
-                    rec["step_ms"] = statistics.median(times)
-                    rec["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-            except Exception as e:  # noqa: BLE001 (out of memory is a result here)
-                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                grads.pop(backend, None)
-                if CUDA:
-                    torch.cuda.empty_cache()
-            if backend == "triton" and len(grads) == 2:
-                rec["grad_rel_diff"] = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-                                           for a, b in zip(grads["triton"], grads["torch"]))
-            rows.append(rec)
-            print(f"  train S={S} {backend}: " + (rec["error"] if "error" in rec else
-                                                 f"{rec['step_ms']:.1f} ms, peak {rec['peak_gb']:.2f} GB" if CUDA
-                                                 else "ran"), flush=True)
-        del x, w_qkv, w_o, gate_logits, params, grads
-        if CUDA:
-            torch.cuda.empty_cache()
-    return rows
-
-# ----------------------------------------------------------------------------------------------
-# Tile-config sweep of our kernel (--tune): one S, all-FULL and f = 0.75
+FORWARD = dict(keys=[("S", "d"), ("setting", "s")],
+               times=[("ours_ms", ".2f"), ("tflops", ".0f"), ("flex_ms", ".2f"), ("split_ms", ".2f"),
+                      ("sdpa_ms", ".2f"), ("vs_flex", ".2f"), ("vs_split", ".2f"), ("vs_sdpa", ".2f"),
+                      ("ideal", ".2f"), ("of_ideal", ".0%")],
+               checks=[("flex_diff", ".1e"), ("split_diff", ".1e"), ("sdpa_diff", ".1e")])
+BACKWARD = dict(keys=[("S", "d"), ("setting", "s")],
+                times=[("ours_ms", ".2f"), ("ours_fb_ms", ".2f"), ("flex_fb_ms", ".2f"), ("split_fb_ms", ".2f"),
+                       ("sdpa_fb_ms", ".2f"), ("vs_flex", ".2f"), ("vs_split", ".2f"), ("vs_sdpa", ".2f")],
+                checks=[("flex_fb_diff", ".1e"), ("split_fb_diff", ".1e"), ("sdpa_fb_diff", ".1e")])
 
 
-def tune(S, perm):
-    gen = torch.Generator().manual_seed(args.seed)
-    q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)
-    k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
-    v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
-    configs = [None, (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)] \
-        if CUDA else [None, (32, 32, 4, 1)]
-    rows = []
-    for frac in (0.0, 0.75):
-        modes = modes_for(frac, perm)
-        flops = masks.attention_flops(S, modes, args.sink, args.window, head_dim=D, group=G)
-        ref = kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window)
-        for cfg in configs:
-            rec = dict(S=S, frac=frac, config=cfg)
-            try:
-                fn = lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, config=cfg)  # noqa: E731
-                rec["diff"] = max_diff(fn(), ref)
-                rec["ms"] = bench_ms(fn)
-                rec["tflops"] = flops / rec["ms"] / 1e9
-            except Exception as e:  # noqa: BLE001 (a config that does not fit is reported)
-                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(rec)
-            print(f"  tune S={S} f={frac} config={cfg}: "
-                  + (f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s diff {rec['diff']:.1e}" if "ms" in rec
-                     else rec["error"]))
-    return rows
-
-
-def bwd_tune(S, perm):
-    """Backward alone (dq, dk, dv from a saved forward) for several (dk/dv, dq) tile configs, each
-    (BLOCK_M, BLOCK_N, num_warps, num_stages), around kernels._bwd_tile_config's (RESULTS.md has the
-    wider sweep that chose it): first the dk/dv config varied with the dq config held, then the dq
-    config, then the best of each together. With --old, that module's backward too."""
-    gen = torch.Generator().manual_seed(args.seed)
-    q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)
-    k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
-    v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
-    do = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)
-    leaves = [t.requires_grad_() for t in (q, k, v)]
-    dkdv0, dq0 = kernels._bwd_tile_config(D, dtype, args.block_size, False, not CUDA)   # the default
-    if CUDA:
-        dkdvs = [(32, 128, 4, 3), (32, 128, 8, 3), (32, 64, 4, 3), (64, 128, 8, 4)]
-        dqs = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)]
-    else:
-        dkdvs, dqs = [(16, 16, 4, 1)], [(16, 16, 4, 1)]
-    dkdvs, dqs = [c for c in dkdvs if c != dkdv0], [c for c in dqs if c != dq0]
-    rows, refs = [], {}
-
-    def run(frac, dkdv, dq_cfg, module=kernels, label=None):
-        modes = modes_for(frac, perm)
-        cfg = (dkdv, dq_cfg) if module is kernels else None
-        o = module.fused_hybrid_attention(*leaves, modes, args.sink, args.window,
-                                          **(dict(bwd_config=cfg) if cfg else {}))
-        rec = dict(S=S, frac=frac, dkdv=dkdv, dq=dq_cfg, module=label or "ours")
-        try:
-            grads = torch.autograd.grad(o, leaves, do, retain_graph=True)
-            if frac not in refs:
-                refs[frac] = grads
-            rec["diff"] = max(max_diff(a, b) for a, b in zip(grads, refs[frac]))
-            rec["ms"] = bench_ms(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True))
-        except Exception as e:  # noqa: BLE001 (a config that does not fit is reported)
-            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        rows.append(rec)
-        print(f"  bwd-tune S={S} f={frac} {rec['module']} dkdv={dkdv} dq={dq_cfg}: "
-              + (f"{rec['ms']:.3f} ms diff {rec['diff']:.1e}" if "ms" in rec else rec["error"]), flush=True)
-        return rec.get("ms", math.inf)
-
-    for frac in (0.0, 0.75):
-        base = run(frac, dkdv0, dq0)
-        if old_kernels is not None:
-            run(frac, None, None, old_kernels, label=args.old)
-        t_dkdv = {c: run(frac, c, dq0) for c in dkdvs}
-        t_dq = {c: run(frac, dkdv0, c) for c in dqs}
-        t_dkdv[dkdv0] = t_dq[dq0] = base
-        pick = (min(t_dkdv, key=t_dkdv.get), min(t_dq, key=t_dq.get))
-        if pick != (dkdv0, dq0):
-            run(frac, *pick)
-    full = [r for r in rows if "ms" in r and r["frac"] == 0.0 and r["module"] == "ours"]
-    return rows, min(full, key=lambda r: r["ms"]) if full else None
-
-# ----------------------------------------------------------------------------------------------
-# The grid
-
-
-def main():
+def prefill(args, backward=False):
+    """One row per (S, setting): the forward table, or with backward=True the forward + backward
+    one (its ours_ms is our forward alone, for scale). Diffs are max |difference| from ours."""
+    cfg = SHAPES
+    Hq, Hkv, D, G = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    seq_lens, fracs = (args.bwd_seq_lens, args.bwd_fracs) if backward else (args.seq_lens, args.fracs)
+    sfx = "_fb" if backward else ""
+    row = table(f"{'forward + backward' if backward else 'forward'}: B 1, Hq {Hq}, Hkv {Hkv}, D {D}, sink {cfg.sink}, "
+                f"window {cfg.window}, {DTYPE}; ms", **(BACKWARD if backward else FORWARD))
     gen = torch.Generator().manual_seed(args.seed)
     perm = torch.randperm(Hkv, generator=gen)
-    env = dict(torch=torch.__version__, triton=__import__("triton").__version__,
-               device=torch.cuda.get_device_name() if CUDA else "cpu (interpreter smoke test)",
-               sdpa_enable_gqa=SDPA_GQA)
-    print(env)
-    results = dict(env=env, args=vars(args), runs=[], tune=[], ours_config=None, train=[], bwd_tune=[],
-                   ours_bwd_config=None)
-    if args.tune:  # the grid below then runs the fastest all-FULL config
-        results["tune"] = tune(args.tune_seq_len, perm)
-        full = [r for r in results["tune"] if "ms" in r and r["frac"] == 0.0]
-        if full:
-            results["ours_config"] = min(full, key=lambda r: r["ms"])["config"]
-        print(f"grid runs config={results['ours_config']}")
-    cfg = results["ours_config"]
-    if args.bwd_tune:  # --backward then runs the fastest all-FULL backward config
-        results["bwd_tune"], best = bwd_tune(args.tune_seq_len, perm)
-        if best:
-            results["ours_bwd_config"] = (best["dkdv"], best["dq"])
-        print(f"backward runs bwd_config={results['ours_bwd_config']}")
-    bwd_cfg = results["ours_bwd_config"]
-
-    def save():  # after every section and every S: partial runs survive
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump(results, f, indent=1)
-
-    if args.train or args.train_only:
-        results["train"] = train_section(gen)
-        save()
-        if args.train_only:
-            print_train_table(results["train"])
-            return
-    if args.xa_only:
-        results["xa"] = xa_section(perm, gen, {})
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        print_xa_table(results["xa"])
-        return
+    rows = []
     for S in seq_lens:
-        q = torch.randn(B, Hq, S, D, generator=gen).to(device, dtype)    # (B, Hq, S, D)
-        k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)   # (B, Hkv, S, D)
-        v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype)
-        all_full = torch.full((B, Hkv), FULL, dtype=torch.int32, device=device)
-        flops_full = masks.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
-        o_sdpa = sdpa_gqa(q, k, v)
-        sdpa_ms = bench_ms(lambda: sdpa_gqa(q, k, v))
+        q = torch.randn(1, Hq, S, D, generator=gen).to(DEVICE, DTYPE)          # (B, Hq, S, D)
+        k = torch.randn(1, Hkv, S, D, generator=gen).to(DEVICE, DTYPE)         # (B, Hkv, S, D)
+        v = torch.randn(1, Hkv, S, D, generator=gen).to(DEVICE, DTYPE)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        do = torch.randn_like(q) if backward else None                        # upstream gradient
+
+        def call(attention):  # what is timed: the forward, or forward + backward
+            if backward:
+                return lambda: torch.autograd.grad(attention(*leaves), leaves, do)
+            return lambda: attention(q, k, v)
+        dense = {}
+        o_sdpa = measure(dense, "sdpa" + sfx, call(sdpa), None, args)          # the same at every f
+        flops_full = masks.attention_flops(S, modes_with(0, perm), cfg.sink, cfg.window, head_dim=D, group=G)
         ours_full_ms = None
-
-        settings = [("hybrid", f) for f in fracs]
-        if not args.no_block_sparse:
-            settings.append(("block_sparse", None))
-        for kind, frac in settings:
-            if kind == "hybrid":
-                modes, bm, bs = modes_for(frac, perm), None, args.block_size
-            else:
-                modes = torch.full((B, Hkv), BLOCK_SPARSE, dtype=torch.int32, device=device)
-                bs = args.block_size
-                bm = random_block_mask(S, bs, args.block_sparsity, gen)
-            flops = masks.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
-            rec = dict(S=S, kind=kind, frac=frac, flops=flops, ideal_speedup=flops_full / flops,
-                       omega_esr=float(masks.omega_esr_closed_form(S, modes, args.sink, args.window, bm, bs)[0]),
-                       sdpa_ms=sdpa_ms)
-
-            ours = lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs,  # noqa: E731
-                                                          config=cfg)
-            o_ours = ours()
-            rec["ours_ms"] = bench_ms(ours)
-            if old_kernels is not None:  # the other kernels module, timed right after ours
-                run_peer("old", lambda: old_kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window,
-                                                                           bm, bs), o_ours, rec)
-                rec["ours_vs_old"] = rec["old_ms"] / rec["ours_ms"] if rec.get("old_ms") else None
-            if kind == "hybrid" and frac == 0:
-                ours_full_ms = rec["ours_ms"]
-                rec["sdpa_diff"] = max_diff(o_sdpa, o_ours)
-
-            if not args.no_flex:
-                try:
-                    block_mask, rec["flex_build_ms"] = timed_build(
-                        lambda: flex_block_mask(S, modes, args.sink, args.window, bm, bs))
-                    run_peer("flex", lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True), o_ours, rec)
-                    del block_mask
-                except Exception as e:  # noqa: BLE001
-                    rec["flex_ms"], rec["flex_error"] = None, f"{type(e).__name__}: {str(e)[:300]}"
-                    print(f"  flex failed: {rec['flex_error']}")
-
-            if kind == "hybrid" and not args.no_split:
-                split, rec["split_build_ms"] = timed_build(lambda: make_split(S, modes))
-                if split is not None:
-                    run_peer("split", lambda: split(q, k, v), o_ours, rec)
-                del split
-
-            if args.backward and S in bwd_seq_lens and (kind != "hybrid" or frac in bwd_fracs):
-                backward_timings(q, k, v, modes, bm, bs, kind, rec, bwd_cfg)
-
-            for peer in ("ours", "flex", "split"):
-                ms = rec.get(f"{peer}_ms")
-                if ms:
-                    rec[f"{peer}_tflops"] = flops / ms / 1e9
-                    rec[f"{peer}_speedup_vs_sdpa"] = sdpa_ms / ms
-            rec["ours_vs_flex"] = rec["flex_ms"] / rec["ours_ms"] if rec.get("flex_ms") else None
-            rec["ours_vs_split"] = rec["split_ms"] / rec["ours_ms"] if rec.get("split_ms") else None
-            if ours_full_ms:
-                rec["ours_speedup_vs_own_full"] = ours_full_ms / rec["ours_ms"]
-                rec["fraction_of_ideal"] = rec["ours_speedup_vs_own_full"] / rec["ideal_speedup"]
-            results["runs"].append(rec)
-            if CUDA:
-                print(f"S={S} {kind} f={frac}: ours {rec['ours_ms']:.3f} ms, old {fmt(rec.get('old_ms'), '.3f')}, "
-                      f"flex {fmt(rec.get('flex_ms'), '.3f')}, split {fmt(rec.get('split_ms'), '.3f')}, "
-                      f"sdpa {sdpa_ms:.3f}", flush=True)
-            else:  # an interpreter's times say nothing about speed: which paths ran
-                print(f"S={S} {kind} f={frac}: ran " + ", ".join(
-                    p for p in ("ours", "old", "flex", "split") if rec.get(f"{p}_ms")) + ", sdpa", flush=True)
-            del o_ours
-        del q, k, v, o_sdpa
-        if CUDA:
-            torch.cuda.empty_cache()
-        save()
-
-    if args.xa:
-        sdpa_by_S = {r["S"]: r["sdpa_ms"] for r in results["runs"]}
-        results["xa"] = xa_section(perm, gen, sdpa_by_S)
-        save()
-    if CUDA:
-        plot(results["runs"])
-    print_table(results["runs"])
-    if args.backward:
-        print_backward_table(results["runs"])
-    if results["bwd_tune"]:
-        print_bwd_tune_table(results["bwd_tune"], results["ours_bwd_config"])
-    if results["train"]:
-        print_train_table(results["train"])
-    if args.xa:
-        print_xa_table(results["xa"])
+        for name, frac, modes, block_mask in settings(S, fracs, perm, args, gen):
+            flops = masks.attention_flops(S, modes, cfg.sink, cfg.window, block_mask, cfg.block_size,
+                                          head_dim=D, group=G)
+            rec = dict(S=S, setting=name, frac=frac, flops=flops, ideal=flops_full / flops, **dense)
+            peers = prefill_peers(S, modes, block_mask, backward)
+            if backward:
+                rec["ours_ms"] = time_ms(lambda: peers["ours"](q, k, v), args)
+            ref = measure(rec, "ours" + sfx, call(peers.pop("ours")), None, args)
+            for peer, attention in peers.items():
+                measure(rec, peer + sfx, call(attention), ref, args)
+            if frac == 0:  # every head FULL: SDPA computes what we compute
+                rec[f"sdpa{sfx}_diff"] = None if o_sdpa is None or ref is None else max_diff(o_sdpa, ref)
+                ours_full_ms = rec.get(f"ours{sfx}_ms")
+            for peer in ("flex", "split", "sdpa"):
+                rec[f"vs_{peer}"] = ratio(rec.get(f"{peer}{sfx}_ms"), rec.get(f"ours{sfx}_ms"))
+            if not backward:
+                rec["tflops"] = ratio(flops / 1e9, rec.get("ours_ms"))
+                rec["of_ideal"] = ratio(ratio(ours_full_ms, rec.get("ours_ms")), rec["ideal"])
+            row(rec)
+            rows.append(rec)
+    return rows
 
 # ----------------------------------------------------------------------------------------------
-# FA-XA: XAttention picks each sparse head's key blocks from the input, then the fused
-# kernel runs FULL heads dense and XA heads block-sparse. Random q/k give flat attention, where
-# XAttention keeps ~95 % of blocks; real long-context heads are peaked. So q/k here carry a local
-# component (a RoPE-like wave: q_i·k_j peaks at i = j) plus one "retrieval" direction that a few
-# key blocks match, over noise: attention is local with a few distant hot spots, as in practice.
+# XAttention: selection, then the hybrid kernel with XAttention heads
+
 
 def structured_qkv(S, gen):
+    """q, k, v whose attention is local with a few distant hot spots, as in real long-context heads.
+    Random q and k give flat attention, where XAttention keeps ~95 % of the blocks. So q and k carry
+    a local component (a RoPE-like wave: q_i·k_j peaks at i = j) plus one "retrieval" direction that
+    four key blocks match, over noise."""
+    Hq, Hkv, D, bs = SHAPES.n_heads, SHAPES.n_kv_heads, SHAPES.head_dim, SHAPES.block_size
     pos = torch.arange(S).view(S, 1).float()
     freqs = 1.0 / (64.0 * 4.0 ** torch.arange(D // 8).float())               # slow waves: ~64+ tokens
     wave = torch.cat([(pos * freqs).cos(), (pos * freqs).sin()], 1)          # (S, D/4)
-    q = 0.5 * torch.randn(B, Hq, S, D, generator=gen)
-    k = 0.5 * torch.randn(B, Hkv, S, D, generator=gen)
+    q = 0.5 * torch.randn(1, Hq, S, D, generator=gen)                        # (B, Hq, S, D)
+    k = 0.5 * torch.randn(1, Hkv, S, D, generator=gen)                       # (B, Hkv, S, D)
     q[..., :D // 4] += 3.0 * wave
     k[..., :D // 4] += 3.0 * wave
-    hot = torch.randperm(S // args.block_size, generator=gen)[:4]             # 4 "needle" key blocks
-    for blk in hot.tolist():
-        k[:, :, blk * args.block_size:(blk + 1) * args.block_size, D // 4] += 6.0
+    for blk in torch.randperm(S // bs, generator=gen)[:4].tolist():         # the "needle" key blocks
+        k[:, :, blk * bs:(blk + 1) * bs, D // 4] += 6.0
     q[..., D // 4] += 1.0
-    v = torch.randn(B, Hkv, S, D, generator=gen)
-    return (t.to(device, dtype) for t in (q, k, v))
+    v = torch.randn(1, Hkv, S, D, generator=gen)
+    return (t.to(DEVICE, DTYPE) for t in (q, k, v))
 
 
-def xa_section(perm, gen, sdpa_by_S):
+XATTENTION = dict(keys=[("S", "d"), ("frac", ".2f")],
+                  times=[("score_ms", ".2f"), ("pick_ms", ".2f"), ("select_of_sdpa", ".1%"), ("fa_xa_ms", ".2f"),
+                         ("fa_ssa_ms", ".2f"), ("xa_ssa_ms", ".2f"), ("full_ms", ".2f"), ("sdpa_ms", ".2f"),
+                         ("of_ideal", ".0%")],
+                  checks=[("density", ".3f")])
+
+
+def xattention_table(args):
+    """Per (S, f > 0): scoring and picking time, their share of dense SDPA, and the attention with
+    a fraction f of the KV heads XAttention (FA-XA) or STREAMING (FA-SSA), or STREAMING with the
+    other heads XAttention (XA-SSA). density: the share of causal blocks XAttention keeps."""
+    cfg = SHAPES
+    bs, stride, thr = cfg.block_size, cfg.xa_stride, cfg.xa_threshold
+    row = table(f"XAttention selection (block {bs}, stride {stride}, τ {thr}) and attention; ms", **XATTENTION)
+    gen = torch.Generator().manual_seed(args.seed)
+    perm = torch.randperm(cfg.n_kv_heads, generator=gen)
+
+    def ours(modes, block_mask=None):
+        return lambda: kernels.fused_hybrid_attention(q, k, v, modes, cfg.sink, cfg.window, block_mask, bs)
     rows = []
-    bs, stride, thr = args.block_size, args.xa_stride, args.xa_threshold
-    for S in seq_lens:
+    for S in args.seq_lens:
         q, k, v = structured_qkv(S, gen)
-        sdpa_ms = sdpa_by_S.get(S) or bench_ms(lambda: sdpa_gqa(q, k, v))
-        scores = xattention.xattention_scores(q, k, bs, stride)                          # (B, Hkv, nB, nB)
-        score_ms = bench_ms(lambda: xattention.xattention_scores(q, k, bs, stride))
-        pick_ms = bench_ms(lambda: xattention.xattention_select(scores, thr))
-        bm = xattention.xattention_select(scores, thr)                                    # (B, Hkv, nB, nB)
-        nB = bm.shape[-1]
-        causal_blocks = nB * (nB + 1) / 2
-        all_full = torch.full((B, Hkv), FULL, dtype=torch.int32, device=device)
-        full_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, all_full, args.sink, args.window))
-        flops_full = masks.attention_flops(S, all_full, args.sink, args.window, head_dim=D, group=G)
-        for frac in fracs:
-            if frac == 0:
-                continue
-            ssa_modes = modes_for(frac, perm)                                     # FA-SSA, same heads
-            ssa_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, ssa_modes, args.sink, args.window))
-            modes = torch.where(ssa_modes == STREAMING, BLOCK_SPARSE, ssa_modes).to(torch.int32)  # FA-XA
-            xassa = torch.where(ssa_modes == FULL, BLOCK_SPARSE, ssa_modes).to(torch.int32)  # XA-SSA
-            xassa_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, xassa, args.sink, args.window, bm, bs))
-            attn_ms = bench_ms(lambda: kernels.fused_hybrid_attention(q, k, v, modes, args.sink, args.window, bm, bs))
-            flops = masks.attention_flops(S, modes, args.sink, args.window, bm, bs, head_dim=D, group=G)
-            xa_heads = modes[0] == BLOCK_SPARSE
-            density = float(bm[0, xa_heads].sum()) / (int(xa_heads.sum()) * causal_blocks)
-            ideal = flops_full / flops
-            rec = dict(S=S, frac=frac, score_ms=score_ms, pick_ms=pick_ms, attn_ms=attn_ms, full_ms=full_ms,
-                       ssa_ms=ssa_ms, xassa_ms=xassa_ms,
-                       sdpa_ms=sdpa_ms, xa_block_density=density, ideal_speedup=ideal,
-                       fraction_of_ideal=(full_ms / attn_ms) / ideal,
-                       selection_over_sdpa=(score_ms + pick_ms) / sdpa_ms,
-                       end_to_end_speedup_vs_sdpa=sdpa_ms / (score_ms + pick_ms + attn_ms))
+        common = dict(S=S)
+        measure(common, "sdpa", lambda: sdpa(q, k, v), None, args)
+        scores = measure(common, "score", lambda: xattention.xattention_scores(q, k, bs, stride), None, args)
+        block_mask = measure(common, "pick", lambda: xattention.xattention_select(scores, thr), None, args)
+        measure(common, "full", ours(modes_with(0, perm)), None, args)
+        common["select_of_sdpa"] = ratio((common.get("score_ms") or 0) + (common.get("pick_ms") or 0),
+                                         common.get("sdpa_ms"))
+        flops_full = masks.attention_flops(S, modes_with(0, perm), cfg.sink, cfg.window,
+                                           head_dim=cfg.head_dim, group=cfg.n_heads // cfg.n_kv_heads)
+        for frac in [f for f in args.fracs if f > 0]:
+            fa_ssa = modes_with(frac, perm)
+            fa_xa = torch.where(fa_ssa == STREAMING, BLOCK_SPARSE, fa_ssa).to(torch.int32)
+            xa_ssa = torch.where(fa_ssa == FULL, BLOCK_SPARSE, fa_ssa).to(torch.int32)
+            rec = dict(common, frac=frac)
+            measure(rec, "fa_ssa", ours(fa_ssa), None, args)
+            measure(rec, "fa_xa", ours(fa_xa, block_mask), None, args)
+            measure(rec, "xa_ssa", ours(xa_ssa, block_mask), None, args)
+            xa_heads = fa_xa[0] == BLOCK_SPARSE
+            nb = block_mask.shape[-1]
+            rec["density"] = float(block_mask[0, xa_heads].sum()) / (int(xa_heads.sum()) * nb * (nb + 1) / 2)
+            ideal = flops_full / masks.attention_flops(S, fa_xa, cfg.sink, cfg.window, block_mask, bs,
+                                                       head_dim=cfg.head_dim, group=cfg.n_heads // cfg.n_kv_heads)
+            rec["of_ideal"] = ratio(ratio(rec.get("full_ms"), rec.get("fa_xa_ms")), ideal)
+            row(rec)
             rows.append(rec)
-            if CUDA:
-                print(f"FA-XA S={S} f={frac}: score {score_ms:.3f} + pick {pick_ms:.3f} ms "
-                      f"({100 * rec['selection_over_sdpa']:.1f} % of SDPA {sdpa_ms:.3f}), attention {attn_ms:.3f} ms "
-                      f"(FA-SSA {ssa_ms:.3f}, XA-SSA {xassa_ms:.3f}, all-FULL {full_ms:.3f}), "
-                      f"density {density:.3f}, {100 * rec['fraction_of_ideal']:.0f} % of ideal {ideal:.2f}x",
-                      flush=True)
-            else:
-                print(f"FA-XA S={S} f={frac}: ran scoring, picking, FA-XA, FA-SSA, XA-SSA, all FULL, SDPA; "
-                      f"block density {density:.3f}", flush=True)
-        del q, k, v, scores, bm
     return rows
 
 # ----------------------------------------------------------------------------------------------
-# Output: PNG and the compact table
+# Decode: one new token per sample against a KV cache of S tokens
 
 
-def plot(runs):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG")
-        return
-    hybrid = [r for r in runs if r["kind"] == "hybrid"]
-    Ss = sorted({r["S"] for r in hybrid})
+DECODE = dict(keys=[("model", "s"), ("S", "d"), ("B", "d"), ("frac", ".2f"), ("compact_MB", ".2f"),
+                    ("full_MB", ".2f"), ("saved", ".4f"), ("ideal_saved", ".4f")],
+              times=[("ours_us", ".1f"), ("ours_GBps", ".0f"), ("masked_us", ".1f"), ("sdpa_us", ".1f"),
+                     ("sdpa_GBps", ".0f"), ("flex_us", ".1f"), ("vs_sdpa", ".2f"), ("ideal", ".2f"),
+                     ("of_ideal", ".0%"), ("vs_masked", ".1f")],
+              checks=[("ours_diff", ".1e"), ("sdpa_diff", ".1e"), ("flex_diff", ".1e")])
+
+
+def masked_decode(q, k, v, modes, sink, window):
+    """The model's reference decode over a full cache: one masks.hybrid_mask row, masked attention in fp32."""
+    S = k.shape[2]
+    mask = masks.hybrid_mask(S, modes, sink, window, q_idx=torch.tensor([S - 1]))   # (B, Hkv, 1, S)
+    return masks.masked_attention(q[:, :, None], k, v, mask)[:, :, 0]             # (B, Hq, D)
+
+
+def decode_table(args):
+    """Per (model, S, B, f): the bytes each side reads per sample and layer (MB), the saved share
+    against its ideal f·(1 − (sink + window)/S), times in µs, GB/s, and the speedup over SDPA
+    against the ideal full / compact bytes. Flex (a compile per shape): at each model's longest S,
+    f = 0.75. Diffs are max |difference| from the masked reference."""
+    env = {}
+    if CUDA:  # the copy bandwidth, a yardstick for the GB/s columns (bytes read + written)
+        src = torch.empty(2 ** 30, dtype=torch.float32, device=DEVICE)
+        dst = torch.empty_like(src)
+        env["copy_GBps"] = 2 * src.numel() * 4 / time_ms(lambda: dst.copy_(src), args) / 1e6
+        del src, dst
+    timer = "CUDA-graph replays" if args.cudagraph else "do_bench"
+    copy = f"; copy bandwidth {env['copy_GBps']:.0f} GB/s" if CUDA else ""
+    row = table(f"decode, one token ({DTYPE}, {timer}{copy}); µs, MB per sample and layer", **DECODE)
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for preset, lengths, batches in DECODE_GRID:
+        cfg = Config.preset(preset)
+        Hq, Hkv, D, sink, window = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.sink, cfg.window
+        perm = torch.randperm(Hkv, generator=gen)
+        for S in lengths:
+            for B in batches:
+                # Drawn on the device: 16 × 128K × 8 heads × 128 is 2·10⁹ numbers.
+                k = torch.randn(B, Hkv, S, D, device=DEVICE, dtype=DTYPE)                  # (B, Hkv, S, D)
+                v = torch.randn(B, Hkv, S, D, device=DEVICE, dtype=DTYPE)
+                q = torch.randn(B, Hq, D, device=DEVICE, dtype=DTYPE)                      # (B, Hq, D)
+                full_bytes = 2 * k.numel() * k.element_size()
+                dense = {}    # SDPA does the same work at every f
+                o_sdpa = measure(dense, "sdpa", lambda: sdpa(q[:, :, None], k, v, is_causal=False)[:, :, 0],
+                                 None, args, args.cudagraph)
+                for frac in (0.0, 0.5, 0.75, 1.0):
+                    modes = modes_with(frac, perm, B)
+                    cache = decode.KVCache.from_prefill([k], [v], [modes], sink, window, S)
+                    compact = cache.nbytes()
+                    rec = dict(model=preset, S=S, B=B, frac=frac, compact_MB=compact / B / 1e6,
+                               full_MB=full_bytes / B / 1e6, saved=1 - compact / full_bytes,
+                               ideal_saved=round(frac * Hkv) / Hkv * (1 - min(sink + window, S) / S),
+                               ideal=full_bytes / compact, **dense)
+                    ref = measure(rec, "masked", lambda: masked_decode(q, k, v, modes, sink, window), None, args)
+                    measure(rec, "ours", lambda: decode.decode_attention(
+                        q, cache.k[0], cache.v[0], cache.start[0], cache.cap[0], S, max_cap=cache.max_cap[0]),
+                        ref, args, args.cudagraph)
+                    if frac == 0 and o_sdpa is not None and ref is not None:
+                        rec["sdpa_diff"] = max_diff(o_sdpa, ref)
+                    if frac == 0.75 and S == lengths[-1]:
+                        bm = flex_block_mask(mode_predicate(modes, sink, window), Hq, Hq // Hkv, S, q_len=1)
+                        measure(rec, "flex", lambda: flex(q[:, :, None], k, v, block_mask=bm, enable_gqa=True)[:, :, 0],
+                                ref, args, args.cudagraph)
+                    for peer in ("ours", "masked", "sdpa", "flex"):
+                        ms = rec.get(f"{peer}_ms")
+                        rec[f"{peer}_us"] = None if ms is None else 1e3 * ms
+                    rec["ours_GBps"] = ratio(compact / 1e6, rec.get("ours_ms"))
+                    rec["sdpa_GBps"] = ratio(full_bytes / 1e6, rec.get("sdpa_ms"))
+                    rec["vs_sdpa"] = ratio(rec.get("sdpa_ms"), rec.get("ours_ms"))
+                    rec["of_ideal"] = ratio(rec["vs_sdpa"], rec["ideal"])
+                    rec["vs_masked"] = ratio(rec.get("masked_ms"), rec.get("ours_ms"))
+                    row(rec)
+                    rows.append(rec)
+    return env, rows
+
+# ----------------------------------------------------------------------------------------------
+# The plot and main
+
+
+def plot(rows, path):
+    """Speedup over dense SDPA against f, one panel per S, log scale: ours, Flex, split, ideal."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if r["frac"] is not None]
+    Ss = sorted({r["S"] for r in rows})
     fig, axes = plt.subplots(1, len(Ss), figsize=(3.2 * len(Ss), 3.0), squeeze=False, sharey=True)
     for ax, S in zip(axes[0], Ss):
-        rs = sorted((r for r in hybrid if r["S"] == S), key=lambda r: r["frac"])
+        rs = [r for r in rows if r["S"] == S]
         fs = [r["frac"] for r in rs]
-        for key, label, style in (("ours", "ours (fused)", "o-"), ("flex", "Flex hybrid", "s-"),
-                                  ("split", "split SDPA+Flex", "^-")):
-            ys = [r.get(f"{key}_speedup_vs_sdpa") for r in rs]
-            if any(y is not None for y in ys):
-                ax.plot(fs, [y if y is not None else math.nan for y in ys], style, label=label, ms=4)
-        ax.plot(fs, [r["ideal_speedup"] for r in rs], "k--", label="ideal (FLOPs at SDPA's rate)", lw=1)
+        for peer, label, style in (("ours", "ours (fused)", "o-"), ("flex", "Flex hybrid", "s-"),
+                                   ("split", "split SDPA+Flex", "^-")):
+            ax.plot(fs, [ratio(r["sdpa_ms"], r.get(f"{peer}_ms")) or math.nan for r in rs], style, label=label, ms=4)
+        ax.plot(fs, [r["ideal"] for r in rs], "k--", label="ideal (FLOPs at SDPA's rate)", lw=1)
         ax.set_yscale("log")
         ax.set_title(f"S = {S // 1024}K" if S >= 1024 else f"S = {S}")
         ax.set_xlabel("fraction of STREAMING heads")
@@ -780,296 +483,68 @@ def plot(runs):
     axes[0][0].set_ylabel("speedup over SDPA dense")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "bench_speedup.png"), dpi=110)
+    fig.savefig(path, dpi=110)
 
 
-def print_backward_table(runs):
-    rows = [r for r in runs if r.get("ours_fb_ms")]
-    if not CUDA:
-        print("\nforward+backward, CPU smoke test: max |gradient difference| from ours")
-        for r in rows:
-            setting = setting_name(r)
-            print(f"{r['S']:>7}  {setting:>7}  flex {fmt(r.get('flex_fb_diff'), '.1e')}  "
-                  f"split {fmt(r.get('split_fb_diff'), '.1e')}  sdpa {fmt(r.get('sdpa_fb_diff'), '.1e')}")
-        return
-    print("\nforward+backward (ms; ratios > 1: ours faster)")
-    print("      S  setting  ours fwd  ours f+b  flex f+b  split f+b  sdpa f+b  vs flex  vs split  vs sdpa  "
-          "grad diff flex/split" + ("  old f+b  vs old" if args.old else ""))
-    for r in rows:
-        setting = setting_name(r)
-        print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:8.2f}  {r['ours_fb_ms']:8.2f}  "
-              f"{fmt(r.get('flex_fb_ms'), '8.2f'):>8}  {fmt(r.get('split_fb_ms'), '9.2f'):>9}  "
-              f"{fmt(r.get('sdpa_fb_ms'), '8.2f'):>8}  {fmt(r.get('ours_fb_vs_flex'), '6.2f', 'x'):>7}  "
-              f"{fmt(r.get('ours_fb_vs_split'), '7.2f', 'x'):>8}  {fmt(r.get('ours_fb_vs_sdpa'), '6.2f', 'x'):>7}  "
-              f"{fmt(r.get('flex_fb_diff'), '.1e')}/{fmt(r.get('split_fb_diff'), '.1e')}"
-              + (f"  {fmt(r.get('old_fb_ms'), '7.2f'):>7}  {fmt(r.get('ours_fb_vs_old'), '5.2f', 'x'):>6}" if args.old else ""))
-
-
-def print_bwd_tune_table(rows, best):
-    print(f"\nbackward alone, tile configs (BLOCK_M, BLOCK_N, warps, stages); --backward ran {best}")
-    print("      S     f  module        dk/dv config       dq config            ms  max grad diff")
-    for r in rows:
-        print(f"{r['S']:>7}  {r['frac']:4.2f}  {r['module']:<12}  {str(r['dkdv']):<17}  {str(r['dq']):<17}  "
-              f"{fmt(r.get('ms'), '8.2f'):>8}  {fmt(r.get('diff'), '.1e'):>13}" + (f"  {r['error']}" if "error" in r else ""))
-
-
-def print_train_table(rows):
-    s = TRAIN_SHAPE
-    print(f"\nrouter-training step (training mix fwd+bwd; {s['n_layers']} layers, Hq {s['n_heads']}, "
-          f"Hkv {s['n_kv_heads']}, D {s['head_dim']}, sink {s['sink']}, window {s['window']}, "
-          f"batch {args.train_batch}, fp32/TF32)")
-    if not CUDA:
-        print("CPU smoke test: both backends ran; times and memory are not measured here")
-    print("      S  backend   step ms  peak GB  grad rel diff")
-    for r in rows:
-        print(f"{r['S']:>7}  {r['backend']:>7}  {fmt(r.get('step_ms'), '8.1f'):>8}  {fmt(r.get('peak_gb'), '7.2f'):>7}  "
-              f"{fmt(r.get('grad_rel_diff'), '.1e'):>13}" + (f"  {r['error']}" if "error" in r else ""))
-
-
-def print_xa_table(rows):
-    if not CUDA:  # smoke test: no times; the block density is a property of the inputs, not of speed
-        print("\nFA-XA, CPU smoke test: every path ran; XAttention block density " +
-              ", ".join(f"S={r['S']} f={r['frac']}: {r['xa_block_density']:.3f}" for r in rows))
-        return
-    print("\n      S     f  score ms  pick ms  select/SDPA  FA-XA ms  FA-SSA ms  XA-SSA ms  all-FULL ms  SDPA ms  "
-          "density  of ideal")
-    for r in rows:
-        print(f"{r['S']:>7}  {r['frac']:4.2f}  {r['score_ms']:8.2f}  {r['pick_ms']:7.2f}  {r['selection_over_sdpa']:11.1%}  "
-              f"{r['attn_ms']:8.2f}  {r['ssa_ms']:9.2f}  {r['xassa_ms']:9.2f}  {r['full_ms']:11.2f}  {r['sdpa_ms']:7.2f}  "
-              f"{r['xa_block_density']:7.3f}  {r['fraction_of_ideal']:8.0%}")
-
-
-def print_table(runs):
-    if not CUDA:  # smoke test: times of an interpreter say nothing about speed, ratios even less
-        print("\nCPU smoke test (not a speed measurement): every path ran; max |difference| from ours")
-        print("      S  setting  flex diff  split diff  old diff")
-        for r in runs:
-            setting = setting_name(r)
-            print(f"{r['S']:>7}  {setting:>7}  {fmt(r.get('flex_diff'), '9.1e'):>9}  "
-                  f"{fmt(r.get('split_diff'), '10.1e'):>10}  {fmt(r.get('old_diff'), '8.1e'):>8}")
-        return
-    if any(r.get("old_ms") for r in runs):
-        print("\n      S  setting  ours ms  old ms  old/ours")
-        for r in runs:
-            setting = setting_name(r)
-            print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:7.2f}  {fmt(r.get('old_ms'), '6.2f'):>6}  "
-                  f"{fmt(r.get('ours_vs_old'), '7.3f', 'x'):>8}")
-    print("\n      S  setting  ours ms  TF/s  flex ms  split ms  sdpa ms  vs flex  vs split  vs sdpa  "
-          "ideal  of ideal  diff flex/split")
-    for r in runs:
-        setting = setting_name(r)
-        print(f"{r['S']:>7}  {setting:>7}  {r['ours_ms']:>7.2f}  {fmt(r.get('ours_tflops'), '4.0f')}  "
-              f"{fmt(r.get('flex_ms'), '7.2f')}  {fmt(r.get('split_ms'), '8.2f')}  {r['sdpa_ms']:>7.2f}  "
-              f"{fmt(r.get('ours_vs_flex'), '6.2f', 'x'):>7}  {fmt(r.get('ours_vs_split'), '7.2f', 'x'):>8}  "
-              f"{fmt(r.get('ours_speedup_vs_sdpa'), '6.2f', 'x'):>7}  {r['ideal_speedup']:4.2f}x  "
-              f"{fmt(r.get('fraction_of_ideal'), '7.0%'):>8}  "
-              f"{fmt(r.get('flex_diff'), '.1e')}/{fmt(r.get('split_diff'), '.1e')}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Decode (--decode): one new token per sample against a KV cache of S tokens, per (S, batch, f).
-# The compact cache (decode.py) holds sink + window rows for a STREAMING head and S for the others;
-# every peer holds S rows for every head:
-#     ours     decode.decode_attention over the compact cache (split-K Triton kernel)
-#     masked   the model's reference decode: a masks.hybrid_mask row + masks.masked_attention (fp32)
-#     sdpa     torch SDPA, the one query over the whole cache (decoding without sparse heads)
-#     flex     compiled FlexAttention over the whole cache with a per-head streaming mask (it skips
-#              masked-out blocks; one compile per shape, so only at the longest S, f = 0.75)
-# Memory-bound: each reads its K/V once, so GB/s = bytes read / time, against the measured copy
-# bandwidth, and the bandwidth-ideal speedup over sdpa is full bytes / compact bytes.
-
-
-def decode_bench():
-    import decode
-    import elastic_attention
-    small = elastic_attention.Config.preset("gpu" if "gpu" in elastic_attention.PRESETS else "long")
-    shapes = [  # (name, Hq, Hkv, D, sink, window, context lengths, batches); the quick one first
-        ("small", small.n_heads, small.n_kv_heads, small.head_dim, small.sink, small.window,
-         [small.max_seq_len] if CUDA else [256], [1, 16] if CUDA else [1]),
-        ("llama3-8b", args.heads, args.kv_heads, args.head_dim, args.sink, args.window,
-         [8192, 32768, 131072] if CUDA else [256], [1, 16] if CUDA else [1]),
-    ]
-    t_start = time.perf_counter()
-    gen = torch.Generator().manual_seed(args.seed)
-    torch.manual_seed(args.seed)
-    src = torch.empty(2 ** 30 if CUDA else 2 ** 20, dtype=torch.float32, device=device)  # 4 GB on a GPU
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() * 4 / bench_ms(lambda: dst.copy_(src)) / 1e6   # read + write
-    del src, dst
-    env = dict(torch=torch.__version__, triton=__import__("triton").__version__,
-               device=torch.cuda.get_device_name() if CUDA else "cpu (interpreter smoke test)",
-               copy_GBps=copy_gbs)
-    results = dict(env=env, args=vars(args), decode=[], tune=[], config=None)
-    # ours / sdpa / flex timer. do_bench: each call launched from Python after an L2 flush, so the
-    # host's launch cost is in it once it exceeds the flush. --decode-cudagraph: replays of a captured
-    # graph (how a serving loop runs decode), no launch cost and no flush (caches under the 60 MB L2
-    # may be read from it). The masked reference always runs eagerly (it copies host tensors).
-    timer = bench_ms
-    env["timer"] = "do_bench"
-    if args.decode_cudagraph and CUDA:
-        def timer(fn):
-            return triton.testing.do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
-        env["timer"] = "do_bench_cudagraph"
-
-    def sdpa_decode(q, k, v, fast=True):  # q (B, Hq, D) → (B, Hq, D): no mask, the last token sees all
-        if fast:
-            with torch.nn.attention.sdpa_kernel(FAST_SDPA):
-                return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
-        return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
-
-    def masked_decode(q, k, v, modes, sink, window):  # what Transformer.decode_step does with a full cache
-        S = k.shape[2]
-        mask = masks.hybrid_mask(S, modes, sink, window, q_idx=torch.tensor([S - 1]))  # (B, Hkv, 1, S)
-        return masks.masked_attention(q[:, :, None], k, v, mask)[:, :, 0]
-
-    def flex_decode_fn(q, k, v, modes, sink, window):
-        from torch.nn.attention.flex_attention import create_block_mask
-        S, g = k.shape[2], q.shape[1] // k.shape[1]
-        stream_q = (modes[0] == STREAMING).repeat_interleave(g).contiguous()  # (Hq,), same for every sample
-
-        def mask_mod(b, h, q_idx, kv_idx):  # the one query sits at position S - 1
-            return ~stream_q[h] | (kv_idx < sink) | (S - 1 - kv_idx < window)
-        bm = create_block_mask(mask_mod, None, q.shape[1], 1, S, device=device)
-        return lambda: flex(q[:, :, None], k, v, block_mask=bm, enable_gqa=True)[:, :, 0]
-
-    def setting(bsz, hq, hkv, d, S, frac, perm, sink, window):
-        """Random full-cache q/k/v (drawn on the device: 16 × 128K × 8 heads is 2·10⁹ numbers), the
-        modes with round(frac·Hkv) STREAMING heads, and the compact cache built from them."""
-        k = torch.randn(bsz, hkv, S, d, device=device, dtype=dtype)        # (B, Hkv, S, D)
-        v = torch.randn(bsz, hkv, S, d, device=device, dtype=dtype)
-        q = torch.randn(bsz, hq, d, device=device, dtype=dtype)            # (B, Hq, D)
-        modes = torch.full((bsz, hkv), FULL, dtype=torch.int32)
-        modes[:, perm[:round(frac * hkv)]] = STREAMING
-        modes = modes.to(device)
-        return q, k, v, modes, decode.KVCache.from_prefill([k], [v], [modes], sink, window, S)
-
-    def ours_fn(q, cache, S, cfg):
-        return lambda: decode.decode_attention(q, cache.k[0], cache.v[0], cache.start[0], cache.cap[0], S,
-                                               max_cap=cache.max_cap[0], config=cfg)
-
-    # Which SDPA backends take a decode-shaped GQA call here.
-    _q, _k = torch.randn(1, 4, 16, device=device, dtype=dtype), torch.randn(1, 2, 256, 16, device=device, dtype=dtype)
-    try:
-        sdpa_decode(_q, _k, _k)
-        sdpa_fast = True
-    except Exception:  # noqa: BLE001 (no fast backend for this shape: torch picks one)
-        sdpa_fast = False
-    env["sdpa_fast_backends"] = sdpa_fast
-    print(env, flush=True)
-
-    # Kernel configs at the target point (Llama shapes, longest S, B = 1, f = 0.75); the grid runs
-    # the fastest. (BLOCK_N, num_warps, num_stages, min keys per split); the first is the default.
-    cfg_best = None
-    if args.decode_tune and CUDA:
-        _, hq, hkv, d, sink, window, lengths, _ = shapes[1]
-        perm = torch.randperm(hkv, generator=torch.Generator().manual_seed(args.seed))
-        q, k, v, modes, cache = setting(1, hq, hkv, d, lengths[-1], 0.75, perm, sink, window)
-        best = None
-        for cfg in ((64, 4, 3, 256), (128, 4, 3, 256), (64, 8, 3, 256), (32, 4, 4, 256), (64, 4, 3, 1024),
-                    (64, 4, 2, 128)):
-            try:
-                ms = timer(ours_fn(q, cache, lengths[-1], cfg))
-                best = (ms, cfg) if best is None or ms < best[0] else best
-            except Exception as e:  # noqa: BLE001 (a config that does not compile is reported)
-                ms = f"{type(e).__name__}: {str(e)[:200]}"
-            results["tune"].append(dict(config=cfg, ms=ms))
-            print(f"  decode tune {cfg}: {ms}", flush=True)
-        cfg_best = best[1] if best else None
-        results["config"] = cfg_best
-        del q, k, v, cache
-
-    for name, hq, hkv, d, sink, window, lengths, batches in shapes:
-        perm = torch.randperm(hkv, generator=gen)
-        for S in lengths:
-            for bsz in batches:
-                sdpa_ms = masked_ms = None
-                for frac in (0.0, 0.5, 0.75, 1.0):
-                    q, k, v, modes, cache = setting(bsz, hq, hkv, d, S, frac, perm, sink, window)
-                    full_bytes = 2 * k.numel() * k.element_size()
-                    if sdpa_ms is None:  # the peers do the same work at every f: time them once
-                        sdpa_ms = timer(lambda: sdpa_decode(q, k, v, sdpa_fast))
-                        masked_ms = bench_ms(lambda: masked_decode(q, k, v, modes, sink, window))
-                    ref = masked_decode(q, k, v, modes, sink, window)
-                    ours = ours_fn(q, cache, S, cfg_best)
-                    out = ours()
-                    ours_ms = timer(ours)
-                    compact = cache.nbytes()
-                    rec = dict(model=name, S=S, B=bsz, frac=frac, Hq=hq, Hkv=hkv, D=d, sink=sink, window=window,
-                               full_bytes_per_sample=full_bytes / bsz, compact_bytes_per_sample=compact / bsz,
-                               saved=1 - compact / full_bytes,
-                               ideal_saved=round(frac * hkv) / hkv * (1 - min(sink + window, S) / S),
-                               ours_ms=ours_ms, masked_ms=masked_ms, sdpa_ms=sdpa_ms,
-                               ours_GBps=compact / ours_ms / 1e6, sdpa_GBps=full_bytes / sdpa_ms / 1e6,
-                               ideal_speedup=full_bytes / compact, diff_vs_masked=max_diff(out, ref),
-                               sdpa_diff=max_diff(sdpa_decode(q, k, v, sdpa_fast), ref) if frac == 0 else None)
-                    rec["speedup_vs_sdpa"] = sdpa_ms / ours_ms
-                    rec["of_ideal"] = rec["speedup_vs_sdpa"] / rec["ideal_speedup"]
-                    rec["speedup_vs_masked"] = masked_ms / ours_ms
-                    rec["ours_of_copy_bw"] = rec["ours_GBps"] / copy_gbs
-                    results["decode"].append(rec)
-                    print(f"{name} S={S} B={bsz} f={frac}: ours {1e3 * ours_ms:.1f} us "
-                          f"({rec['ours_GBps']:.0f} GB/s), sdpa {1e3 * sdpa_ms:.1f} us, masked "
-                          f"{1e3 * masked_ms:.1f} us, saved {rec['saved']:.4f} (ideal {rec['ideal_saved']:.4f}), "
-                          f"diff {rec['diff_vs_masked']:.1e}", flush=True)
-                    del q, k, v, modes, cache, out, ref
-                if CUDA:
-                    torch.cuda.empty_cache()
-                with open(os.path.join(args.out, "decode.json"), "w") as f:  # partial runs survive
-                    json.dump(results, f, indent=1)
-
-    # FlexAttention last (a compile per shape): Llama shapes, longest S, f = 0.75, while time is left.
-    name, hq, hkv, d, sink, window, lengths, batches = shapes[1]
-    perm = torch.randperm(hkv, generator=torch.Generator().manual_seed(args.seed))
-    for bsz in batches:
-        if time.perf_counter() - t_start > args.decode_flex_budget_s:
-            print(f"  flex skipped at B={bsz}: the section ran past {args.decode_flex_budget_s} s", flush=True)
-            break
-        rec = next(r for r in results["decode"] if r["model"] == name and r["S"] == lengths[-1]
-                   and r["B"] == bsz and r["frac"] == 0.75)
-        q, k, v, modes, cache = setting(bsz, hq, hkv, d, lengths[-1], 0.75, perm, sink, window)
-        try:
-            fn = flex_decode_fn(q, k, v, modes, sink, window)
-            out, rec["flex_first_call_ms"] = timed_build(fn)                     # includes the compile
-            rec["flex_diff"] = max_diff(out, ours_fn(q, cache, lengths[-1], cfg_best)())
-            rec["flex_ms"] = timer(fn)
-        except Exception as e:  # noqa: BLE001 (a failing peer is recorded, not fatal)
-            rec["flex_ms"], rec["flex_error"] = None, f"{type(e).__name__}: {str(e)[:300]}"
-        print(f"{name} S={lengths[-1]} B={bsz} f=0.75: flex {rec.get('flex_ms')} ms, first call "
-              f"{rec.get('flex_first_call_ms')} ms, diff {rec.get('flex_diff')} {rec.get('flex_error', '')}", flush=True)
-        del q, k, v, modes, cache
-        with open(os.path.join(args.out, "decode.json"), "w") as f:
+def main(args):
+    if CUDA:  # many (shape, mask) combinations: let dynamo keep every compiled Flex variant
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
+    else:
+        print("No CUDA device: a smoke test on the CPU (Triton's interpreter, eager Flex). Every path runs "
+              "once and is compared with ours; no times. Flex has no backward on a CPU: forward + backward "
+              "is compared with SDPA's, every head FULL.")
+        warnings.filterwarnings("ignore", message=".*flex_attention.*")  # eager Flex: "unfused", every call
+    os.makedirs(args.out, exist_ok=True)
+    results = dict(env=dict(torch=torch.__version__, triton=triton.__version__,
+                            device=torch.cuda.get_device_name() if CUDA else "cpu (smoke test)"),
+                   args=vars(args))
+    print(results["env"], flush=True)
+    for name in args.tables:
+        if name in ("forward", "backward"):
+            results[name] = prefill(args, backward=name == "backward")
+        elif name == "xattention":
+            results[name] = xattention_table(args)
+        else:
+            env, results[name] = decode_table(args)
+            results["env"].update(env)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:   # after each table: partial runs survive
             json.dump(results, f, indent=1)
-    print(f"decode section {time.perf_counter() - t_start:.0f} s; kernel config {cfg_best or 'default'}")
-    print_decode_table(results["decode"], copy_gbs, env["timer"])
-
-
-def print_decode_table(rows, copy_gbs, timer_name):
-    def fmt(x, spec):
-        return "-" if x is None else format(x, spec)
-    print(f"\ndecode, one token: times in us ({timer_name}); GB/s of the bytes each reads "
-          f"(copy bandwidth {copy_gbs:.0f} GB/s)")
-    print("model        S   B     f  KV MB/sample  saved (ideal)    ours  GB/s    masked     sdpa  GB/s     flex"
-          "  vs sdpa (ideal, of ideal)  vs masked")
-    for r in rows:
-        print(f"{r['model']:<9} {r['S']:>6} {r['B']:>3}  {r['frac']:4.2f}  {r['compact_bytes_per_sample'] / 1e6:6.1f}/"
-              f"{r['full_bytes_per_sample'] / 1e6:<6.1f} {r['saved']:6.4f} ({r['ideal_saved']:6.4f})  "
-              f"{1e3 * r['ours_ms']:6.1f}  {r['ours_GBps']:4.0f}  {1e3 * r['masked_ms']:8.1f}  "
-              f"{1e3 * r['sdpa_ms']:7.1f}  {r['sdpa_GBps']:4.0f}  {fmt(r.get('flex_ms') and 1e3 * r['flex_ms'], '7.1f'):>7}  "
-              f"{r['speedup_vs_sdpa']:5.2f}x ({r['ideal_speedup']:5.2f}x, {r['of_ideal']:4.0%})  "
-              f"{r['speedup_vs_masked']:7.1f}x")
+    if CUDA and "forward" in results:
+        plot(results["forward"], os.path.join(args.out, "bench_speedup.png"))
+    print(f"\nall numbers in {os.path.join(args.out, 'bench.json')}")
 
 
 if __name__ == "__main__":
-    if args.decode:
-        decode_bench()
-        print(f"\nall numbers in {os.path.join(args.out, 'decode.json')}")
-    elif args.replot:
-        with open(args.replot) as f:
-            runs = json.load(f)["runs"]
-        plot(runs)
-        print_table(runs)
-    else:
-        main()
-        print(f"\nall numbers in {os.path.join(args.out, 'bench.json')}"
-              + (f", the plot in {os.path.join(args.out, 'bench_speedup.png')}" if CUDA and os.path.exists(
-                  os.path.join(args.out, "bench_speedup.png")) else ""))
+    def numbers(kind):  # "8192,32768" → [8192, 32768]; argparse names the type in its error
+        def parse(text):
+            return [kind(x) for x in text.split(",")]
+        parse.__name__ = f"comma-separated {kind.__name__}"
+        return parse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES), help="which tables to print")
+    parser.add_argument("--seq-lens", type=numbers(int), default=[32768, 131072] if CUDA else [128],
+                        help="comma-separated sequence lengths S of the forward and XAttention tables")
+    parser.add_argument("--fracs", type=numbers(float), default=[0.0, 0.5, 0.75, 1.0],
+                        help="fractions f of STREAMING KV heads (XAttention: the nonzero ones)")
+    parser.add_argument("--bwd-seq-lens", type=numbers(int), default=[32768] if CUDA else [128],
+                        help="sequence lengths of the forward + backward table")
+    parser.add_argument("--bwd-fracs", type=numbers(float), default=[0.0, 0.75],
+                        help="fractions f of the forward + backward table")
+    parser.add_argument("--block-sparsity", type=float, default=0.9,
+                        help="share of causal blocks off in the bsparse setting")
+    parser.add_argument("--cudagraph", action="store_true",
+                        help="decode: time ours, SDPA and Flex as CUDA-graph replays, as a serving loop runs "
+                             "them (no launch cost; caches under the L2 size may be read from it)")
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs, the modes and the block masks")
+    parser.add_argument("--out", type=str, default="runs/bench", help="folder for bench.json and bench_speedup.png")
+    args = parser.parse_args()
+    too_long = [S for S in args.seq_lens + args.bwd_seq_lens if S > CPU_MAX_SEQ_LEN]
+    if not CUDA and too_long:  # refused before anything is allocated
+        parser.error(f"no CUDA device: this is a CPU smoke test, and S = {too_long} would not fit "
+                     f"(its peers hold Hq·S² values); use S <= {CPU_MAX_SEQ_LEN}")
+    main(args)

@@ -1,5 +1,6 @@
 """The commands a reader types first: they behave on a shared CPU, refuse bad flags and files in one
-line before any long work, and say what they are doing. Subprocesses on the CPU, each a few seconds."""
+line before any long work, and say what they are doing. Subprocesses on the CPU, most a few seconds."""
+import json
 import os
 import re
 import subprocess
@@ -143,3 +144,44 @@ def test_readme_route_your_input_snippet_names_each_rows_task(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert sorted(line.split()[0] for line in lines) == ["passkey", "periodic"], proc.stdout
     assert all("Ω_MSR" in line for line in lines), proc.stdout
+
+
+def test_importing_bench_runs_nothing(tmp_path):
+    """Notebooks and tests import bench for its peers and helpers: no output, no folder, and the
+    interpreter switch (which only `python bench.py` on a CPU flips) left alone."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", "import os, bench; print(os.environ.get('TRITON_INTERPRET'))"],
+                          cwd=tmp_path, env=dict(env, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "None\n", proc.stdout
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_bench_refuses_a_long_sequence_on_a_cpu_before_making_a_folder(tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("with CUDA, long sequences are the point")
+    out = tmp_path / "bench"
+    one_line_error(run("bench.py", "--seq-lens", "256,65536", "--out", str(out)), "[65536]", "CPU")
+    assert not out.exists()
+
+
+def test_bench_cpu_smoke_peers_agree_and_the_cache_saves_its_ideal(tmp_path):
+    """Two of the four tables, cut down (under a minute): FlexAttention and the split baseline,
+    their masks built from masks.py's predicates, give our kernel's output; the compact decode
+    cache holds exactly the bytes its layout promises and decodes as the masked reference does."""
+    if __import__("torch").cuda.is_available():
+        pytest.skip("on a GPU bench.py times the full shapes")
+    proc = run("bench.py", "--tables", "forward", "decode", "--fracs", "0.5", "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(tmp_path / "bench.json", encoding="utf-8") as f:
+        results = json.load(f)
+    forward = {r["setting"]: r for r in results["forward"]}
+    assert list(forward) == ["f=0.50", "bsparse"], list(forward)
+    assert forward["f=0.50"]["flex_diff"] < 1e-2 and forward["f=0.50"]["split_diff"] < 1e-2, forward
+    assert forward["bsparse"]["flex_diff"] < 1e-2, forward
+    assert len(results["decode"]) == 8, results["decode"]
+    for r in results["decode"]:
+        assert r["saved"] == pytest.approx(r["ideal_saved"]), r
+        assert r["ours_diff"] < 1e-2, r
+    assert any(r.get("flex_diff") is not None and r["flex_diff"] < 1e-2 for r in results["decode"])
+    assert "_ms" not in proc.stdout and "_us" not in proc.stdout, "an interpreter's times were printed"
