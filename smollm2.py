@@ -50,7 +50,7 @@ and the one token before them (where a greedy answer commits to the value or dri
 
 Batch (make_batch), like tasks.py's with padding and an explicit prompt boundary:
     tokens (B, S), targets (B, S) (-100 except scored positions: targets[t] = tokens[t + 1]),
-    task_ids (B,), sensitive (B,), prompt_len (B,), lengths (B,), query_pos (B,) = prompt_len - 1,
+    task_ids (B,), sensitive (B,), prompt_lengths (B,), lengths (B,), query_pos (B,) = prompt_lengths - 1,
     needle_pos (B, N) (-1 padded). Rows are right-padded to the longest row with the pad id.
 
 Shape letters: B batch, S sequence, V vocab, N needle slots, K scored positions per row.
@@ -713,9 +713,9 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
         targets    (B, S) long  tokens[t + 1] at scored positions t, IGNORE elsewhere (never in padding)
         task_ids   (B,)   long  index into TASKS (for per-task targets and reporting only)
         sensitive  (B,)   bool  TASKS[task_id].category == "sensitive"
-        prompt_len (B,)   long  tokens the router may read: through "<|im_start|>assistant\n"
+        prompt_lengths (B,) long tokens the router may read: through "<|im_start|>assistant\n"
         lengths    (B,)   long  real tokens per row
-        query_pos  (B,)   long  prompt_len - 1, the last prompt position (the retrieval score's row)
+        query_pos  (B,)   long  prompt_lengths - 1, the last prompt position (the retrieval score's row)
         needle_pos (B, N) long  token positions of the needle sentence, -1 padded (all -1 for
                                 robust tasks, as in tasks.py)
     """
@@ -739,7 +739,7 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
     tokens = torch.full((B, S), tokenizer.pad_id, dtype=torch.long)
     targets = torch.full((B, S), IGNORE, dtype=torch.long)
     needle_pos = torch.full((B, MAX_NEEDLES), -1, dtype=torch.long)
-    prompt_len, lengths = torch.empty(B, dtype=torch.long), torch.empty(B, dtype=torch.long)
+    prompt_lengths, lengths = torch.empty(B, dtype=torch.long), torch.empty(B, dtype=torch.long)
     for b, (task, prompt, answer, scored, needles) in enumerate(rows):
         P, A = len(prompt), len(answer)
         tokens[b, :P + A] = torch.tensor(prompt + answer)
@@ -747,11 +747,11 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
         targets[b, at - 1] = tokens[b, at]                # the LM shift: position t predicts t + 1
         if task.category == "sensitive":
             needle_pos[b, :len(needles[:MAX_NEEDLES])] = torch.tensor(needles[:MAX_NEEDLES])
-        prompt_len[b], lengths[b] = P, P + A
+        prompt_lengths[b], lengths[b] = P, P + A
     task_ids = torch.tensor([t.task_id for t, *_ in rows])
     sensitive = torch.tensor([t.category == "sensitive" for t, *_ in rows])
-    return dict(tokens=tokens, targets=targets, task_ids=task_ids, sensitive=sensitive, prompt_len=prompt_len,
-                lengths=lengths, query_pos=prompt_len - 1, needle_pos=needle_pos)
+    return dict(tokens=tokens, targets=targets, task_ids=task_ids, sensitive=sensitive, prompt_lengths=prompt_lengths,
+                lengths=lengths, query_pos=prompt_lengths - 1, needle_pos=needle_pos)
 
 def _suite_batch(tokenizer, haystack, window, sink, split, seed, names, size, seq_len):
     return make_batch(tokenizer, names, size, seq_len, seed, split=split, window=window, sink=sink, haystack=haystack)
@@ -832,7 +832,7 @@ def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
     task, the expected scored text and the model's answer up to <|im_end|>."""
     out = []
     for b in range(batch["tokens"].shape[0]):
-        P = int(batch["prompt_len"][b])
+        P = int(batch["prompt_lengths"][b])
         prompt = batch["tokens"][b:b + 1, :P].to(model.lm_head.weight.device)
         row_modes = None if modes is None else [m[b:b + 1].to(prompt.device) for m in modes]
         seq, _ = model.generate(prompt, max_new_tokens, modes=row_modes)

@@ -352,7 +352,7 @@ def retrieval_scores(rows, needle_pos, n_kv_heads):
     mass from the query position onto the needle tokens, averaged over prompts.
 
     rows (L, B, Hq, S): each head's attention probabilities at the query position (from
-    train_router.attention_rows); needle_pos (B, N), -1 padded. Returns (L, Hkv): a KV head's
+    Transformer.attention_rows); needle_pos (B, N), -1 padded. Returns (L, Hkv): a KV head's
     score is the mean over the query heads that share it, since they share its mode."""
     L, B, Hq, S = rows.shape
     on_needle = torch.zeros(B, S, dtype=rows.dtype, device=rows.device)

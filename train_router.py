@@ -59,6 +59,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import elastic_attention  # noqa: E402
+import kernels  # noqa: E402
 import router as router_lib  # noqa: E402
 import tasks  # noqa: E402
 from elastic_attention import HEAD_CONFIGS  # noqa: E402
@@ -199,7 +200,7 @@ def settings_from(args):
         fail(f"--device must be cpu, cuda or cuda:N, got {P['device']!r}")
     if P["device"].startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {P['device']} but no CUDA device is available (use --device cpu)")
-    if P["backend"] == "triton" and not P["device"].startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+    if P["backend"] == "triton" and not P["device"].startswith("cuda") and not kernels.interpreting():
         fail("--backend triton on a CPU runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
              "(e.g. TRITON_INTERPRET=1 python train_router.py --smoke --backend triton), or use --backend torch")
     if P["device"] == "cpu" and args.preset != "tiny" and args.seq_len is None:
@@ -277,7 +278,7 @@ class Run:
         names = names or tasks.rotate(self.suite.names, index, size)
         b = self.suite.batch(split, tasks.split_seed(split, index, self.args.seed), names, size,
                              seq_len or self.P["seq_len"])
-        b["prompt_len"] = b["query_pos"] + 1       # what the router may read: the prompt, never the answer
+        b["prompt_lengths"] = b["query_pos"] + 1       # what the router may read: the prompt, never the answer
         return {k: v.to(self.device) for k, v in b.items()} if to_device else b
 
     def held_out(self, name, i, seq_len=None, split="eval"):
@@ -549,7 +550,7 @@ def gate_loss(run, model, step_model, lagrangian, b, static, step):
     P, cfg, B = run.P, model.cfg, run.P["batch_size"]
     noise = torch.rand(cfg.n_layers, B, cfg.n_kv_heads, generator=noise_generator(run.args.seed, static, step))
     noise = noise[:, run.rank::run.world].to(run.device)  # one draw for the global batch, sharded
-    logits, info = step_model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_len"],
+    logits, info = step_model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"],
                                   gate_noise=noise)
     if P.get("loss") == "balanced":
         lm = router_lib.balanced_answer_loss(logits, b["targets"], b["task_ids"], b["task_counts"])
@@ -692,31 +693,10 @@ def fit_router_inputs(run, model):
                                device=run.device)
             _, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"))
             for layer, record in enumerate(info["records"]):
-                pooled[layer].append(router_lib.boundary_pool(record["k_pre"], b["prompt_len"], cfg.pool_tokens,
+                pooled[layer].append(router_lib.boundary_pool(record["k_pre"], b["prompt_lengths"], cfg.pool_tokens,
                                                               cfg.pool_skip))
     for r, xs in zip(model.routers, pooled):
         router_lib.fit_input_norm(r, torch.cat(xs))
-
-
-def attention_rows(model, idx, positions):
-    """Backbone (every head FULL) attention probabilities of one query per sample:
-    positions (B,) → (L, B, Hq, S). A head's retrieval score is their mass on the needle tokens."""
-    cfg = model.cfg
-    B_, S_ = idx.shape
-    cos, sin = model.rope_cos[:S_], model.rope_sin[:S_]
-    x = model.embed_tokens(idx)
-    rows = []
-    for layer in model.layers:
-        attn = layer.self_attn
-        q, k, _, _ = attn.project(layer.input_layernorm(x), cos, sin)     # (B, Hq, S, D), (B, Hkv, S, D)
-        qp = q[torch.arange(B_, device=idx.device), :, positions]          # (B, Hq, D)
-        k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)    # (B, Hq, S, D)
-        scores = torch.einsum("bhd,bhsd->bhs", qp.float(), k.float()) / math.sqrt(attn.head_dim)
-        visible = torch.arange(S_, device=idx.device).view(1, 1, S_) <= positions.view(B_, 1, 1)
-        rows.append(torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1))  # (B, Hq, S)
-        x, _ = layer(x, cos, sin, modes=torch.full((B_, cfg.n_kv_heads), elastic_attention.FULL,
-                                                  device=idx.device, dtype=torch.int32))
-    return torch.stack(rows)                                                 # (L, B, Hq, S)
 
 
 @torch.no_grad()
@@ -730,7 +710,7 @@ def retrieval_scores(run, model):
         for i in range(run.n_batches("calib")):
             b = run.held_out(name, i, split="calib")
             first_answer = (b["targets"] != -100).int().argmax(1)                     # (B,)
-            scores.append(tasks.retrieval_scores(attention_rows(model, b["tokens"], first_answer), b["needle_pos"],
+            scores.append(tasks.retrieval_scores(model.attention_rows(b["tokens"], first_answer), b["needle_pos"],
                                                  model.cfg.n_kv_heads))
     return torch.stack(scores).mean(0)
 
@@ -771,7 +751,7 @@ def evaluate(run, model, choose=None, seq_len=None, names=None, split="eval"):
         modes = None if choose is None else choose(name, i)
         if modes is not None and modes.dim() == 2:
             modes = modes.unsqueeze(1).expand(-1, b["tokens"].shape[0], -1)
-        logits, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"), prompt_lengths=b["prompt_len"])
+        logits, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"])
         mine.append((name, run.suite.score(name, logits, b["targets"]).float().cpu(), info["omega_msr"].float().cpu(),
                      info["omega_esr"].float().cpu(), info["omega_esr_last"].float().cpu(),
                      torch.stack(info["z"]).float().cpu()))
@@ -851,7 +831,7 @@ def swap_control(run, model):
 
     def routed_modes(name, i):
         b = run.held_out(robust[i % len(robust)], i)
-        _, info = model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_len"])
+        _, info = model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"])
         return torch.stack(info["modes"])                                   # (L, B, Hkv)
 
     return evaluate(run, model, routed_modes, names=run.suite.sensitive)

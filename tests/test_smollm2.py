@@ -383,16 +383,16 @@ def test_batch_contract(tiny_tok, batch):
     B, S = b["tokens"].shape
     assert B == 8 and S <= SEQ and S == int(b["lengths"].max())
     for k, dtype, shape in (("targets", torch.long, (B, S)), ("task_ids", torch.long, (B,)),
-                            ("sensitive", torch.bool, (B,)), ("prompt_len", torch.long, (B,)),
+                            ("sensitive", torch.bool, (B,)), ("prompt_lengths", torch.long, (B,)),
                             ("lengths", torch.long, (B,)), ("query_pos", torch.long, (B,)),
                             ("needle_pos", torch.long, (B, smollm2.MAX_NEEDLES))):
         assert b[k].dtype == dtype and tuple(b[k].shape) == shape, k
     assert sorted(b["task_ids"].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]  # balanced
     assert torch.equal(b["sensitive"], torch.tensor([smollm2.TASKS[i].category == "sensitive" for i in b["task_ids"]]))
-    assert torch.equal(b["query_pos"], b["prompt_len"] - 1)
+    assert torch.equal(b["query_pos"], b["prompt_lengths"] - 1)
     im_start = tiny_tok.encode("<|im_start|>", special=True)[0]
     for r in range(B):
-        P, L = int(b["prompt_len"][r]), int(b["lengths"][r])
+        P, L = int(b["prompt_lengths"][r]), int(b["lengths"][r])
         assert L >= SEQ - 200, "documents fill the requested length"
         assert (b["tokens"][r, L:] == tiny_tok.pad_id).all()
         prompt = tiny_tok.decode(b["tokens"][r, :P], skip_special=False)
@@ -406,7 +406,7 @@ def test_tasks_place_their_evidence(tiny_tok, batch):
     b = batch
     for r in range(b["tokens"].shape[0]):
         task = smollm2.TASKS[int(b["task_ids"][r])]
-        P, q = int(b["prompt_len"][r]), int(b["query_pos"][r])
+        P, q = int(b["prompt_lengths"][r]), int(b["query_pos"][r])
         # the value (digits or word) and, for accuracy tasks, the separator token before it
         scored = tiny_tok.decode(b["targets"][r][b["targets"][r] != smollm2.IGNORE]).strip(' "')
         needles = b["needle_pos"][r][b["needle_pos"][r] >= 0]
@@ -447,7 +447,7 @@ def test_batches_are_seeded_and_splits_differ(tiny_tok, batch):
     train = smollm2.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="train", window=WINDOW)
     held_out = set(smollm2.load_text("eval"))
     for r in range(8):
-        text = tiny_tok.decode(train["tokens"][r, :int(train["prompt_len"][r])])
+        text = tiny_tok.decode(train["tokens"][r, :int(train["prompt_lengths"][r])])
         assert not any(p in text for p in held_out)
 
 
