@@ -101,6 +101,7 @@ def print_table(summary):
 # Plots (matplotlib, headless).
 
 def plots(summary, out_dir):
+    """The five figures of one run, as PNG files in out_dir (nothing without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -108,12 +109,19 @@ def plots(summary, out_dir):
     except ImportError:
         print("matplotlib not installed: no plots")
         return
-    res, tasks, cats, metrics = summary["results"], list(summary["tasks"]), summary["tasks"], summary["metrics"]
     targets = dict(zip(("sensitive", "robust"), summary["settings"]["targets"]))
     targets["sensitive"] = summary.get("calibration", {}).get("sensitive_target", targets["sensitive"])  # resolves 'auto'
-    title = f"{summary['preset']} {summary['settings']['config']['head_config']}, seed {summary['seed']}"
+    c = dict(res=summary["results"], tasks=list(summary["tasks"]), cats=summary["tasks"], metrics=summary["metrics"],
+             targets=targets, title=f"{summary['preset']} {summary['settings']['config']['head_config']}, "
+                                    f"seed {summary['seed']}")
+    for figure in (_routing_heatmap, _omega_per_task, _progressive, _omega_per_input, _training):
+        figure(plt, summary, c, out_dir)
+    plt.close("all")
 
-    # 1. Which heads each task keeps FULL (paper Fig. 6).
+
+def _routing_heatmap(plt, summary, c, out_dir):
+    """Which heads each task keeps FULL (paper Fig. 6)."""
+    res, tasks, cats, metrics, targets, title = (c[k] for k in ("res", "tasks", "cats", "metrics", "targets", "title"))
     frac = [torch.tensor(res["elastic"][t]["full_frac"]) for t in tasks]      # (L, Hkv) each
     L, H = frac[0].shape
     fig, axes = plt.subplots(1, len(tasks), figsize=(1.2 + (0.9 + 0.35 * H) * len(tasks), 1.6 + 0.16 * L),
@@ -129,7 +137,10 @@ def plots(summary, out_dir):
     fig.suptitle(f"Elastic routing per task — {title}", fontsize=10)
     fig.savefig(os.path.join(out_dir, "routing_heatmap.png"), dpi=110)
 
-    # 2. Sparsity per task, with the targets the routers were given.
+
+def _omega_per_task(plt, summary, c, out_dir):
+    """Sparsity per task, with the targets the routers were given."""
+    res, tasks, cats, metrics, targets, title = (c[k] for k in ("res", "tasks", "cats", "metrics", "targets", "title"))
     fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(tasks), 3.6), constrained_layout=True)
     x = range(len(tasks))
     ax.bar([i - 0.2 for i in x], [res["elastic"][t]["omega_msr"] for t in tasks], 0.4, label="Elastic Ω_MSR")
@@ -147,9 +158,12 @@ def plots(summary, out_dir):
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(os.path.join(out_dir, "omega_per_task.png"), dpi=110)
 
-    # 3. Accuracy against Ω_MSR (paper Fig. 2 / Table 5), one panel per task: the static frontiers
-    # (one head set for every input, by three rankings) as curves, Elastic and the per-category
-    # oracle as points. Elastic should sit above every curve at its own Ω.
+
+def _progressive(plt, summary, c, out_dir):
+    """Accuracy against Ω_MSR (paper Fig. 2 / Table 5), one panel per task: the static frontiers
+    (one head set for every input, by three rankings) as curves, Elastic and the per-category
+    oracle as points. Elastic should sit above every curve at its own Ω."""
+    res, tasks, cats, metrics, targets, title = (c[k] for k in ("res", "tasks", "cats", "metrics", "targets", "title"))
     curves = summary["progressive"][str(summary["experiment"]["seq_len"])]
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.3 * len(tasks), 3.4), squeeze=False, constrained_layout=True)
     for ax, t in zip(axes[0], tasks):
@@ -170,7 +184,10 @@ def plots(summary, out_dir):
     fig.suptitle(f"Accuracy vs sparsity — {title}", fontsize=10)
     fig.savefig(os.path.join(out_dir, "progressive.png"), dpi=110)
 
-    # 3b. Ω_MSR of every held-out input, per task: routing that reads the prompt spreads by input.
+
+def _omega_per_input(plt, summary, c, out_dir):
+    """Ω_MSR of every held-out input, per task: routing that reads the prompt spreads by input."""
+    res, tasks, cats, metrics, targets, title = (c[k] for k in ("res", "tasks", "cats", "metrics", "targets", "title"))
     fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(tasks), 3.4), constrained_layout=True)
     for i, t in enumerate(tasks):
         w = res["elastic"][t].get("omegas", [])
@@ -182,7 +199,10 @@ def plots(summary, out_dir):
     ax.set_title(f"Elastic Ω_MSR per held-out input — {title}", fontsize=10)
     fig.savefig(os.path.join(out_dir, "omega_per_input.png"), dpi=110)
 
-    # 4. Training curves.
+
+def _training(plt, summary, c, out_dir):
+    """Training curves."""
+    res, tasks, cats, metrics, targets, title = (c[k] for k in ("res", "tasks", "cats", "metrics", "targets", "title"))
     log = summary["train_log"]
     steps = [r["step"] for r in log]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), constrained_layout=True)
@@ -207,7 +227,6 @@ def plots(summary, out_dir):
         ax.legend(fontsize=8)
     fig.suptitle(f"Router training — {title}", fontsize=10)
     fig.savefig(os.path.join(out_dir, "training.png"), dpi=110)
-    plt.close("all")
 
 
 # -----------------------------------------------------------------------------
