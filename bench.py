@@ -56,7 +56,7 @@ if __name__ == "__main__" and not CUDA:  # the smoke test runs the kernels in Tr
 import torch.nn.functional as F  # noqa: E402
 import triton.testing  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
 
 import decode  # noqa: E402
 import kernels  # noqa: E402
@@ -76,7 +76,7 @@ DECODE_GRID = [("gpu", [4096], [1, 16]), ("llama3-8b", [8192, 32768, 131072], [1
 CPU_MAX_SEQ_LEN = 4096   # the smoke test's eager Flex and masked peers hold Hq·S² values
 # Compiled on a GPU: Flex's fused kernels, and a BlockMask made without an S×S mask in memory.
 flex = torch.compile(flex_attention, dynamic=False) if CUDA else flex_attention
-flex_block_mask_from = torch.compile(create_block_mask) if CUDA else create_block_mask
+FLEX_BLOCK = 128  # FlexAttention's default block size
 # Only SDPA's fused backends: a peer that fell back to the math backend would flatter us.
 FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
@@ -186,15 +186,40 @@ def mode_predicate(modes, sink, window, block_mask=None, block_size=None):
     return masks.or_masks(*parts)
 
 
-def flex_block_mask(predicate, H, G, kv_len, q_len=None):
+def flex_block_mask(predicate, H, G, kv_len, q_len=None, rows=512):
     """FlexAttention's BlockMask for a predicate over (sample, KV head, query, key). Flex numbers
     query heads, hence h // G (H None: the same mask for every head); its q_len queries are the
-    last positions (decode: one query at kv_len − 1). Every sample shares sample 0's modes."""
+    last positions (decode: one query at kv_len − 1). Every sample shares sample 0's modes.
+    Built exactly, `rows` query rows at a time: the predicate is evaluated per KV head on a chunk
+    and reduced to 'some pair visible' / 'every pair visible' per FLEX_BLOCK² block, so no
+    (Hq, S, S) mask is ever held (create_block_mask would hold one uncompiled, and its compiled
+    form can fall back to one when shapes change)."""
     q_len = q_len or kv_len
+    shift = kv_len - q_len
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return predicate(b, h // G, q_idx + (kv_len - q_len), kv_idx)
-    return flex_block_mask_from(mask_mod, None, H, q_len, kv_len, device=DEVICE)
+        return predicate(b, h // G, q_idx + shift, kv_idx)
+    heads = 1 if H is None else H // G                                            # KV heads (or one)
+    nq, nk = -(-q_len // FLEX_BLOCK), -(-kv_len // FLEX_BLOCK)
+    some = torch.zeros(1, heads, nq, nk, dtype=torch.bool, device=DEVICE)
+    every = torch.zeros_like(some)
+    b, h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=DEVICE), torch.arange(heads, device=DEVICE).view(1, -1, 1, 1)
+    kv = torch.arange(nk * FLEX_BLOCK, device=DEVICE).view(1, 1, 1, -1)
+    for r0 in range(0, nq * FLEX_BLOCK, rows):
+        q = torch.arange(r0, min(r0 + rows, nq * FLEX_BLOCK), device=DEVICE).view(1, 1, -1, 1)
+        inside = (q < q_len) & (kv < kv_len)                                      # padding to whole blocks
+        m = predicate(b, h, (q + shift).clamp(max=kv_len - 1), kv.clamp(max=kv_len - 1))  # padding: any index
+        m = (m & inside).expand(1, heads, -1, -1)                                   # (1, heads, rows, nk·FB)
+        m = m.view(1, heads, -1, FLEX_BLOCK, nk, FLEX_BLOCK)
+        some[:, :, r0 // FLEX_BLOCK:r0 // FLEX_BLOCK + m.shape[2]] = m.any(5).any(3)
+        every[:, :, r0 // FLEX_BLOCK:r0 // FLEX_BLOCK + m.shape[2]] = m.all(5).all(3)
+
+    def indices(blocks):  # (1, heads, nq, nk) bool → per-row counts and ascending indices, per query head
+        blocks = blocks.repeat_interleave(1 if H is None else G, 1)
+        order = torch.sort((~blocks).to(torch.int8), dim=-1, stable=True).indices
+        return blocks.sum(-1, dtype=torch.int32), order.to(torch.int32)
+    return BlockMask.from_kv_blocks(*indices(some & ~every), *indices(every), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
 
 
 def sdpa(q, k, v, is_causal=True):

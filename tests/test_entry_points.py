@@ -185,3 +185,25 @@ def test_bench_cpu_smoke_peers_agree_and_the_cache_saves_its_ideal(tmp_path):
         assert r["ours_diff"] < 1e-2, r
     assert any(r.get("flex_diff") is not None and r["flex_diff"] < 1e-2 for r in results["decode"])
     assert "_ms" not in proc.stdout and "_us" not in proc.stdout, "an interpreter's times were printed"
+
+
+@pytest.mark.parametrize("S, q_len, H, G", [(1024, None, 8, 2), (1024, 1, 8, 4), (640, None, None, 2),
+                                            (2048, 1, None, 1)])
+def test_bench_block_masks_equal_flex_own(S, q_len, H, G):
+    """bench's chunked BlockMask (no S×S mask held) has exactly the blocks create_block_mask finds,
+    for per-head modes with block-sparse heads, one decode query, and a mask shared by every head."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+    import bench
+    import masks
+    g = torch.Generator().manual_seed(S + G)
+    modes = torch.randint(0, 2, (1, 4 if H is None else H // G), generator=g)
+    modes[0, 0] = masks.BLOCK_SPARSE
+    blocks = torch.rand(1, modes.shape[1], S // 64, S // 64, generator=g) < 0.3
+    pred = bench.mode_predicate(modes, 16, 128, blocks, 64) if H is not None else masks.streaming(16, 128)
+    ours = bench.flex_block_mask(pred, H, G, S, q_len)
+    ql = q_len or S
+    ref = create_block_mask(lambda b, h, q, k: pred(b, h // G, q + S - ql, k), None, H, ql, S, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert torch.equal(ours.kv_num_blocks, ref.kv_num_blocks)
