@@ -157,6 +157,18 @@ def test_importing_bench_runs_nothing(tmp_path):
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
 
 
+def test_importing_train_router_runs_nothing(tmp_path):
+    """train_router is a module of functions too: importing it prints nothing, makes no folder,
+    parses no command line, and its stages can be called one by one (main is the outline)."""
+    code = ("import sys; sys.argv = ['x', '--no-such-flag']; import train_router; "
+            "print(callable(train_router.main), callable(train_router.evaluate))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "True True\n", proc.stdout
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
 def test_bench_refuses_a_long_sequence_on_a_cpu_before_making_a_folder(tmp_path):
     if __import__("torch").cuda.is_available():
         pytest.skip("with CUDA, long sequences are the point")
