@@ -245,7 +245,8 @@ def parse_targets(text):
     return [t_sens, t_rob]
 
 # -----------------------------------------------------------------------------
-# The run: what every stage reads. Built once in main(), passed explicitly, never changed after.
+# The run: what every stage reads, built once in main() and passed explicitly. Only its cache of
+# held-out batches grows.
 
 
 @dataclass
