@@ -69,7 +69,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float16    # Triton's interpreter has no bf16
 TABLES = ("forward", "backward", "xattention", "decode")
 # Block 128: FlexAttention's sparse block too, so the block-sparse setting favours neither side.
-SHAPES = Config.preset("llama3-8b", block_size=128) if CUDA else Config.preset("tiny")
+SHAPES = Config.shape("llama3-8b", block_size=128) if CUDA else Config.shape("tiny")
 # Decode grid (preset, context lengths S, batch sizes): the experiment's gpu model and Llama's heads.
 DECODE_GRID = [("gpu", [4096], [1, 16]), ("llama3-8b", [8192, 32768, 131072], [1, 16])] if CUDA \
     else [("tiny", [128], [1, 2])]
@@ -439,7 +439,7 @@ def decode_table(args):
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     for preset, lengths, batches in DECODE_GRID:
-        cfg = Config.preset(preset)
+        cfg = Config.shape(preset)
         Hq, Hkv, D, sink, window = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.sink, cfg.window
         perm = torch.randperm(Hkv, generator=gen)
         for S in lengths:

@@ -104,10 +104,11 @@ class Config:
         kernels.check_backend(self.backend)
 
     @classmethod
-    def preset(cls, name, **overrides):
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose from {list(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+    def shape(cls, name, **overrides):
+        """A named model shape (MODEL_SHAPES) with fields overridden."""
+        if name not in MODEL_SHAPES:
+            raise ValueError(f"unknown model shape {name!r}; choose from {list(MODEL_SHAPES)}")
+        return cls(**{**MODEL_SHAPES[name], **overrides})
 
     @classmethod
     def from_hf(cls, hf):
@@ -169,7 +170,7 @@ class Config:
             sink=128, window=2048, block_size=64, xa_stride=16, pool_tokens=100)
 
 
-PRESETS = {
+MODEL_SHAPES = {  # train_router.PRESETS are experiments; these are the models they use
     # CPU experiments: a few hundred tokens, sink + window a small fraction of them. RoPE base
     # 5e5, Llama 3's: the base the tiny backbone learns the recall tasks with (RESULTS.md).
     "tiny": dict(rope_theta=500000.0),

@@ -352,7 +352,7 @@ def load_suite(P, args, rank, world):
     """(suite, model or None, cfg): the synthetic suite and its model config, or SmolLM2 and its
     real-text suite (the model comes with it)."""
     if P["suite"] == "synthetic":
-        cfg = elastic_attention.Config.preset(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
+        cfg = elastic_attention.Config.shape(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
                                               gate=args.gate, backend=P["backend"])
         return tasks.suite(cfg.window, cfg.sink, cfg.n_layers, P["seq_len"]), None, cfg
     import smollm2

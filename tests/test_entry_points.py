@@ -103,7 +103,7 @@ def test_smollm2_refuses_routers_of_another_model_before_the_download(tmp_path, 
 
     import elastic_attention
     import tasks
-    cfg = elastic_attention.Config.preset("tiny", vocab_size=tasks.VOCAB_SIZE)
+    cfg = elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE)
     model = elastic_attention.Transformer(cfg)
     model.attach_routers()
     path = tmp_path / "router.pt"
@@ -134,7 +134,7 @@ def test_readme_route_your_input_snippet_names_each_rows_task(tmp_path):
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
     torch.manual_seed(0)
-    model = elastic_attention.Transformer(elastic_attention.Config.preset("tiny", vocab_size=tasks.VOCAB_SIZE))
+    model = elastic_attention.Transformer(elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE))
     model.attach_routers()
     elastic_attention.save_checkpoint(str(tmp_path / "model.pt"), model)
     assert '"runs/smoke-FA-SSA-seed0/model.pt"' in code

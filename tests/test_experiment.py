@@ -272,14 +272,14 @@ def test_bad_backbone_stages_fail_before_training(stages, message, tmp_path):
 
 
 def test_backbone_of_another_config_is_refused(tmp_path):
-    other = elastic_attention.Transformer(elastic_attention.Config.preset("tiny", vocab_size=tasks.VOCAB_SIZE, dim=64))
+    other = elastic_attention.Transformer(elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE, dim=64))
     elastic_attention.save_checkpoint(str(tmp_path / "other.pt"), other)
     proc = run_script("--backbone", str(tmp_path / "other.pt"), *QUICK[2:], "--out", str(tmp_path), timeout=60)
     assert proc.returncode != 0 and "different config" in proc.stderr
 
 
 def test_checkpoint_round_trip_with_routers(tmp_path):
-    cfg = elastic_attention.Config.preset("tiny", vocab_size=tasks.VOCAB_SIZE, n_layers=2)
+    cfg = elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE, n_layers=2)
     model = elastic_attention.Transformer(cfg)
     model.attach_routers()
     elastic_attention.save_checkpoint(str(tmp_path / "m.pt"), model, step=7)
@@ -313,7 +313,7 @@ def test_retrieval_score_on_a_hand_made_pattern():
 def test_shipped_backbone_solves_every_task_dense():
     """The premise of the experiment: the shipped tiny backbone, all heads FULL, answers ≥ 95 % of
     held-out answer tokens on every task (samples the script never evaluates on)."""
-    cfg = elastic_attention.Config.preset("tiny", vocab_size=tasks.VOCAB_SIZE)
+    cfg = elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE)
     model, ckpt = elastic_attention.load_checkpoint(os.path.join(ROOT, "tiny_backbone.pt"), cfg)
     for task in tasks.TASKS:
         b = tasks.make_batch([task.name], 64, 256, cfg.window, cfg.sink, seed=tasks.split_seed("eval", 99_000 + task.task_id),

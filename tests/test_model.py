@@ -32,15 +32,15 @@ def random_modes(cfg, B, seed, values=(FULL, STREAMING)):
     return choice[torch.randint(0, len(values), (cfg.n_layers, B, cfg.n_kv_heads), generator=g)]
 
 
-def test_presets_and_derived_fields():
-    for name in elastic_attention.PRESETS:
-        cfg = elastic_attention.Config.preset(name)
+def test_model_shapes_and_derived_fields():
+    for name in elastic_attention.MODEL_SHAPES:
+        cfg = elastic_attention.Config.shape(name)
         assert cfg.head_dim * cfg.n_heads == cfg.dim or name == "llama3-8b"
-    big = elastic_attention.Config.preset("llama3-8b")
+    big = elastic_attention.Config.shape("llama3-8b")
     assert (big.n_heads, big.n_kv_heads, big.head_dim, big.ffn_dim) == (32, 8, 128, 14336)
     assert elastic_attention.Config(dim=128).ffn_dim == 352  # 2/3 · 512 = 341.3 → next multiple of 32
-    with pytest.raises(ValueError, match="unknown preset 'huge'"):
-        elastic_attention.Config.preset("huge")
+    with pytest.raises(ValueError, match="unknown model shape 'huge'"):
+        elastic_attention.Config.shape("huge")
 
 
 @SETTINGS

@@ -567,7 +567,7 @@ def test_freeze_backbone_trains_only_routers_and_lambdas(restore_rng):
 def test_frozen_tiny_transformer_trains_only_routers(restore_rng):
     ea = pytest.importorskip("elastic_attention")
     torch.manual_seed(0)
-    cfg = ea.Config.preset("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=64,
+    cfg = ea.Config.shape("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=64,
                            sink=2, window=8, pool_tokens=4)
     model = ea.Transformer(cfg)
     model.attach_routers()

@@ -547,7 +547,7 @@ def test_read_routers_refuses_other_files(tmp_path):
     torch.save(dict(settings={}, static=True, routers=[]), tmp_path / "static.pt")
     with pytest.raises(ValueError, match="static gates"):
         smollm2.read_routers(str(tmp_path / "static.pt"))
-    cfg = elastic_attention.Config.preset("tiny", vocab_size=40)
+    cfg = elastic_attention.Config.shape("tiny", vocab_size=40)
     model = elastic_attention.Transformer(cfg)
     model.attach_routers()
     torch.save(dict(settings=dict(config=dict(head_dim=cfg.head_dim)), static=False,
