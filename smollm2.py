@@ -557,7 +557,7 @@ class _Corpus:
 # answer sentence and score its value tokens (the digits / the word) and the token before them, all
 # of which must be the argmax; "continue" scores the NLL of the next CONTINUE_TOKENS tokens.
 
-IGNORE = -100          # torch.nn.functional.cross_entropy's default ignore_index
+IGNORE = tasks.IGNORE  # the one ignore index of both suites (cross_entropy's default)
 MAX_NEEDLES = 48       # needle-token slots per row (a needle sentence is 10–30 tokens)
 CONTINUE_TOKENS = 64   # scored continuation length
 NEAR_TOKENS = 150      # robust facts: at most this many document tokens after them
