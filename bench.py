@@ -203,7 +203,8 @@ def flex_block_mask(predicate, H, G, kv_len, q_len=None, rows=512):
     nq, nk = -(-q_len // FLEX_BLOCK), -(-kv_len // FLEX_BLOCK)
     some = torch.zeros(1, heads, nq, nk, dtype=torch.bool, device=DEVICE)
     every = torch.zeros_like(some)
-    b, h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=DEVICE), torch.arange(heads, device=DEVICE).view(1, -1, 1, 1)
+    b = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=DEVICE)                  # sample 0 stands for all
+    h = torch.arange(heads, device=DEVICE).view(1, -1, 1, 1)
     kv = torch.arange(nk * FLEX_BLOCK, device=DEVICE).view(1, 1, 1, -1)
     for r0 in range(0, nq * FLEX_BLOCK, rows):
         q = torch.arange(r0, min(r0 + rows, nq * FLEX_BLOCK), device=DEVICE).view(1, 1, -1, 1)

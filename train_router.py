@@ -45,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 # Deterministic cuBLAS needs this before CUDA starts; harmless on a CPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -487,11 +487,10 @@ class TrainBatches(torch.utils.data.Dataset):
     processes can build batches however they are started."""
 
     def __init__(self, run):
-        self.run = dict(P=run.P, args=run.args, device=torch.device("cpu"), suite=run.suite, out_dir=run.out_dir,
-                        rank=run.rank, world=run.world)
+        self.run = replace(run, device=torch.device("cpu"), cache={})  # the cache holds device tensors
 
     def __getitem__(self, j):
-        run = Run(**self.run)
+        run = self.run
         whole = run.batch("train", j, run.P["batch_size"], to_device=False)
         return dict({k: v[run.rank::run.world] for k, v in whole.items()}, n_answer=(whole["targets"] != -100).sum(),
                     task_counts=torch.bincount(whole["task_ids"], minlength=len(run.suite.tasks)))
@@ -565,10 +564,10 @@ def gate_loss(run, model, step_model, lagrangian, b, static, step):
     return (loss, lm, reg), info, log_alpha.detach()
 
 
-def log_row(run, model, lagrangian, step, parts, info, log_alpha, b, lr, ms):
-    """One line of the training log; one host sync for all of it. Ω per category over this shard."""
+def log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, lr, ms):
+    """One line of the training log; one host sync for all of it. Ω per category over this shard;
+    sens (T,) bool: which task ids are sensitive."""
     loss, lm, reg = parts
-    sens = run.suite.sensitive_mask(run.device)
     omega, is_sens, lam = info["omega_msr"].detach(), sens[b["task_ids"]].float(), lagrangian.lambda1.detach()
     active = router_lib.prob_gradient(log_alpha).mean() if model.cfg.gate == "hard-concrete" else \
         torch.ones((), device=run.device)  # share of this shard's gate draws passing gradient (Gumbel: all)
@@ -612,6 +611,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
             raise KeyboardInterrupt
         interrupted.append(True)
 
+    sens = run.suite.sensitive_mask(run.device)
     signal.signal(signal.SIGINT, on_ctrl_c)
     run.log(f"{'static gates' if static else 'routers'}: step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | "
             "gate draws passing gradient | lr | ms")
@@ -634,7 +634,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
             torch.nn.utils.clip_grad_norm_(params, P["clip"])
         optimizer.step()
         scheduler.step()
-        row = log_row(run, model, lagrangian, step, parts, info, log_alpha, b, scheduler.get_last_lr()[0],
+        row = log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, scheduler.get_last_lr()[0],
                       1000 * (time.time() - t0))  # wall time, data waits included
         t0 = time.time()
         train_log.append(row)
@@ -882,10 +882,9 @@ def omega_agreement(run, train_log, results):
     """Training Ω against deployed Ω, per category: the stochastic training gates and the
     deterministic deployment rule should agree. Training: the last tenth of the steps whose batch
     held the category (others log NaN)."""
-    tail = train_log[-max(1, len(train_log) // 10):]
     out = {}
     for c in ("sensitive", "robust"):
-        seen = [r[f"omega_{c}"] for r in tail if not math.isnan(r[f"omega_{c}"])]
+        seen = [r[f"omega_{c}"] for r in last_tenth(train_log) if not math.isnan(r[f"omega_{c}"])]
         out[c] = dict(train=statistics.mean(seen) if seen else float("nan"),
                       deployed=category_omega(run, results["elastic"], c))
     return out
@@ -935,7 +934,8 @@ def main(argv=None):
     static_log, static_gates = [], None
     if not args.no_static:                                                    # 5. static gates
         static_log, static_gates, diff = evaluate_static(run, model, settings, results, progressive, points, long_len)
-        rank_diff.update({"static": diff} if run.ddp else {})
+        if run.ddp:
+            rank_diff["static"] = diff
     for name in progressive:  # dense and all-sparse close every curve
         progressive[name] = {"0.000": {t: v["score"] for t, v in results["dense"].items()}, **progressive[name],
                              "1.000": {t: v["score"] for t, v in results["all_sparse"].items()}}
@@ -964,9 +964,13 @@ def head_orders(run, model, retrieval):
     return orders
 
 
+def last_tenth(train_log):
+    return train_log[-max(1, len(train_log) // 10):]
+
+
 def check_gate_share(run, train_log):
     """The share of gate draws passing gradient over the last tenth of training; loud below 20 %."""
-    share = statistics.mean(r["gate_active"] for r in train_log[-max(1, len(train_log) // 10):])
+    share = statistics.mean(r["gate_active"] for r in last_tenth(train_log))
     if share < 0.2:
         run.log(f"WARNING: only {100 * share:.0f} % of gate draws passed gradient over the last tenth of training "
                 "(< 20 %): the routers had stopped learning")
