@@ -692,7 +692,8 @@ def fit_router_inputs(run, model):
             b = run.held_out(t.name, i, split="calib")
             modes = torch.full((cfg.n_layers, b["tokens"].shape[0], cfg.n_kv_heads), full_mode, dtype=torch.int32,
                                device=run.device)
-            _, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"))
+            _, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"),
+                            logits_at=b["query_pos"][:, None])  # the keys are what counts: no (B, S, V) logits
             for layer, record in enumerate(info["records"]):
                 pooled[layer].append(router_lib.boundary_pool(record["k_pre"], b["prompt_lengths"], cfg.pool_tokens,
                                                               cfg.pool_skip))
@@ -832,7 +833,8 @@ def swap_control(run, model):
 
     def routed_modes(name, i):
         b = run.held_out(robust[i % len(robust)], i)
-        _, info = model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"])
+        _, info = model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"],
+                        logits_at=b["query_pos"][:, None])  # only the routing is needed
         return torch.stack(info["modes"])                                   # (L, B, Hkv)
 
     return evaluate(run, model, routed_modes, names=run.suite.sensitive)
