@@ -1,6 +1,6 @@
 """bench.py — the fused hybrid-attention kernel against PyTorch's attention, on one GPU.
 
-Four tables, one per claim; ratios above 1 mean ours is faster.
+Five tables, one per claim; ratios above 1 mean ours is faster.
 
     forward     causal prefill at Llama-3.1-8B attention shapes (preset "llama3-8b": B 1, Hq 32,
                 Hkv 8, D 128, sink 128, window 2048; bf16; S 32K and 128K), a fraction f of the KV
@@ -23,6 +23,11 @@ Four tables, one per claim; ratios above 1 mean ours is faster.
                 reference, which read the whole cache for every head; the experiment's gpu model
                 at 4K and Llama's heads at 8K, 32K, 128K, batch 1 and 16. Decode is memory-bound,
                 so the ideal speedup over SDPA is full bytes / compact bytes.
+    train       one router-training step (train_router.train_step: gates drawn, forward through the
+                frozen model, answer loss + Lagrangian, backward, AdamW) at the gpu and smollm2
+                presets' settings, random weights and tokens: ms per step, the share of it the GPU
+                spends in kernels (torch.profiler), host-device synchronisations per step, and the
+                ops that take the most GPU time. What is not kernel time is launch and host work.
 
 Every peer's Flex mask is built from masks.py's predicates, the rule our kernel is tested against.
 Times are triton.testing.do_bench medians. Writes bench.json (and bench_speedup.png) to --out.
@@ -61,18 +66,23 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa:
 import decode  # noqa: E402
 import kernels  # noqa: E402
 import masks  # noqa: E402
+import router as router_lib  # noqa: E402
+import train_router  # noqa: E402
 import xattention  # noqa: E402
-from elastic_attention import Config  # noqa: E402
+from elastic_attention import Config, Transformer  # noqa: E402
 from masks import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float16    # Triton's interpreter has no bf16
-TABLES = ("forward", "backward", "xattention", "decode")
+TABLES = ("forward", "backward", "xattention", "decode", "train")
 # Block 128: FlexAttention's sparse block too, so the block-sparse setting favours neither side.
 SHAPES = Config.shape("llama3-8b", block_size=128) if CUDA else Config.shape("tiny")
 # Decode grid (preset, context lengths S, batch sizes): the experiment's gpu model and Llama's heads.
 DECODE_GRID = [("gpu", [4096], [1, 16]), ("llama3-8b", [8192, 32768, 131072], [1, 16])] if CUDA \
     else [("tiny", [128], [1, 2])]
+# Router-training steps (experiment preset, model shape, dtype of the frozen model, batch, S).
+TRAIN_GRID = [("gpu", "gpu", torch.float32, 16, 4096), ("smollm2", "smollm2-135m", torch.bfloat16, 8, 4096)] \
+    if CUDA else [("tiny", "tiny", torch.float32, 4, 128)]
 CPU_MAX_SEQ_LEN = 4096   # the smoke test's eager Flex and masked peers hold Hq·S² values
 # Compiled on a GPU: Flex's fused kernels, and a BlockMask made without an S×S mask in memory.
 flex = torch.compile(flex_attention, dynamic=False) if CUDA else flex_attention
@@ -484,6 +494,86 @@ def decode_table(args):
     return env, rows
 
 # ----------------------------------------------------------------------------------------------
+# Training: one step of the router experiment
+
+
+TRAIN = dict(keys=[("preset", "s"), ("B", "d"), ("S", "d")],
+             times=[("step_ms", ".1f"), ("gpu_busy", ".0%"), ("syncs", "d")], checks=[("loss", ".3f")])
+
+
+def train_batch(cfg, B, S, gen):
+    """Random tokens with the experiment's layout: a prompt, then an answer of 8 tokens (64 for
+    every fourth sample, the continuation task) that alone is scored; four tasks, two sensitive."""
+    tokens = torch.randint(cfg.vocab_size, (B, S), generator=gen)
+    answer = torch.tensor([64 if i % 4 == 3 else 8 for i in range(B)])
+    prompt_lengths = S - answer
+    pos = torch.arange(S)
+    targets = torch.where(pos >= prompt_lengths[:, None] - 1, tokens.roll(-1, 1), -100)
+    targets[:, -1] = -100
+    task_ids = torch.arange(B) % 4
+    return dict(tokens=tokens, prompt_lengths=prompt_lengths, targets=targets, task_ids=task_ids,
+                task_counts=torch.bincount(task_ids, minlength=4), n_answer=(targets != -100).sum())
+
+
+def train_table(args):
+    """Per preset: train_router.train_step timed over 10 steps after 3 of warm-up; gpu_busy the GPU
+    kernel time over the wall time of 3 profiled steps; syncs counted by torch's sync debug mode."""
+    row = table("router training step (random weights and tokens, the preset's settings); ms", **TRAIN)
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for preset, shape, dtype, B, S in TRAIN_GRID:
+        flags = train_router.build_parser().parse_args(
+            ["--preset", preset, "--batch-size", str(B), "--seq-len", str(S), "--device", DEVICE, "--seed", str(args.seed)])
+        P, _ = train_router.settings_from(flags)
+        cfg = Config.shape(shape, backend=P["backend"])
+        model = Transformer(cfg).to(DEVICE, dtype)
+        params = model.attach_routers()
+        router_lib.freeze_backbone(model)
+        model.train()
+        run = train_router.Run(P, flags, torch.device(DEVICE), None, None)
+        lagrangian = router_lib.SparsityLagrangian(4, [0.7, 0.7, 0.95, 0.95]).to(DEVICE)
+        optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, 10 ** 6, P["router_lr"], P["lambda_lr"])
+        sens = torch.tensor([True, True, False, False], device=DEVICE)
+        b = {k: v.to(DEVICE) for k, v in train_batch(cfg, B, S, gen).items()}
+
+        def step():
+            return train_router.train_step(run, model, model, lagrangian, optimizer, scheduler, params, sens, b,
+                                           False, 0)
+        rec = dict(preset=preset, B=B, S=S, loss=step()["loss"])
+        if CUDA:
+            for _ in range(3):
+                step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                step()
+            sync()
+            rec["step_ms"] = 1e3 * (time.perf_counter() - t0) / 10
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                step()
+                torch.cuda.set_sync_debug_mode(0)
+            rec["syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    step()
+                sync()
+                wall_us = 1e6 * (time.perf_counter() - t0)
+            ops = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+            rec["gpu_busy"] = sum(e.self_device_time_total for e in ops) / wall_us
+            rec["top_ops"] = [(e.key[:60], e.self_device_time_total / 3e3, e.count // 3) for e in ops[:8]]
+        row(rec)
+        for name, ms, n in rec.get("top_ops", []):
+            print(f"    {ms:8.2f} ms  {n:5d}×  {name}")
+        rows.append(rec)
+        del model, optimizer
+    return rows
+
+# ----------------------------------------------------------------------------------------------
 # The plot and main
 
 
@@ -533,6 +623,8 @@ def main(args):
             results[name] = prefill(args, backward=name == "backward")
         elif name == "xattention":
             results[name] = xattention_table(args)
+        elif name == "train":
+            results[name] = train_table(args)
         else:
             env, results[name] = decode_table(args)
             results["env"].update(env)

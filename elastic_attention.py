@@ -186,6 +186,11 @@ MODEL_SHAPES = {  # train_router.PRESETS are experiments; these are the models t
                       sink=128, window=2048, block_size=64, xa_stride=16, pool_tokens=100,
                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                         high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    # SmolLM2-135M's shape with the smollm2 experiment's sparse heads and pooling, for benchmarks;
+    # its weights come from the GGUF file (smollm2.py), which also reads pool_skip off the tokenizer.
+    "smollm2-135m": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                         rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True, sink=64, window=256,
+                         block_size=64, xa_stride=16, pool_tokens=32, pool_skip=24),
 }
 
 # -----------------------------------------------------------------------------

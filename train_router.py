@@ -564,7 +564,7 @@ def gate_loss(run, model, step_model, lagrangian, b, static, step):
     return (loss, lm, reg), info, log_alpha.detach()
 
 
-def log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, lr, ms):
+def log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, lr):
     """One line of the training log; one host sync for all of it. Ω per category over this shard;
     sens (T,) bool: which task ids are sensitive."""
     loss, lm, reg = parts
@@ -576,7 +576,7 @@ def log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, lr, m
                           (omega * is_sens).sum() / is_sens.sum(), (omega * (1 - is_sens)).sum() / (1 - is_sens).sum(),
                           lam[sens].mean(), lam[~sens].mean()]).tolist()
     return dict(step=step, **dict(zip(("loss", "lm", "reg", "gate_active", "omega_sensitive", "omega_robust",
-                                       "lambda1_sensitive", "lambda1_robust"), logged)), lr=lr, ms=ms)
+                                       "lambda1_sensitive", "lambda1_robust"), logged)), lr=lr)
 
 
 def train_gates(run, model, settings, static, targets, path, resume=None):
@@ -622,20 +622,8 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
         if cfg.gate == "gumbel":
             model.set_gumbel_tau(router_lib.tau_cosine(step / steps))
         b = {k: v.to(run.device, non_blocking=True) for k, v in b.items()}
-        parts, info, log_alpha = gate_loss(run, model, step_model, lagrangian, b, static, step)
-        loss = parts[0]
-        optimizer.zero_grad(set_to_none=True)
-        (loss * run.world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
-        if run.ddp:  # λ lives outside the DDP module: average its gradient over the ranks the same way
-            for p in lagrangian.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= run.world
-        if P.get("clip"):  # the routers' gradient only; λ's ascent is left alone
-            torch.nn.utils.clip_grad_norm_(params, P["clip"])
-        optimizer.step()
-        scheduler.step()
-        row = log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, scheduler.get_last_lr()[0],
-                      1000 * (time.time() - t0))  # wall time, data waits included
+        row = train_step(run, model, step_model, lagrangian, optimizer, scheduler, params, sens, b, static, step)
+        row["ms"] = 1000 * (time.time() - t0)  # wall time, data waits included
         t0 = time.time()
         train_log.append(row)
         bar.set_postfix(lm=f"{row['lm']:.3f}", omega=f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f}")
@@ -653,12 +641,30 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     return train_log, params
 
 
+def train_step(run, model, step_model, lagrangian, optimizer, scheduler, params, sens, b, static, step):
+    """One optimiser step of the gates (and λ) on batch b, already on the device; returns its log row."""
+    parts, info, log_alpha = gate_loss(run, model, step_model, lagrangian, b, static, step)
+    optimizer.zero_grad(set_to_none=True)
+    (parts[0] * run.world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
+    if run.ddp:  # λ lives outside the DDP module: average its gradient over the ranks the same way
+        for p in lagrangian.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= run.world
+    if run.P.get("clip"):  # the routers' gradient only; λ's ascent is left alone
+        torch.nn.utils.clip_grad_norm_(params, run.P["clip"])
+    optimizer.step()
+    scheduler.step()
+    return log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, scheduler.get_last_lr()[0])
+
+
 def stop_if_interrupted(run, interrupted, save, static, path, done):
     """After a Ctrl-C: save and exit, every rank after the same step (else the others wait forever)."""
-    stop = torch.tensor([float(bool(interrupted))], device=run.device)
+    stop = bool(interrupted)
     if run.ddp:
+        stop = torch.tensor([float(stop)], device=run.device)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-    if not stop.item():
+        stop = bool(stop.item())
+    if not stop:
         return
     save()
     if static:  # --resume takes router.pt: the finished routers, then evaluation and this stage afresh
