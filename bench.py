@@ -62,6 +62,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton.testing  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import decode  # noqa: E402
 import kernels  # noqa: E402
@@ -555,7 +557,6 @@ def train_table(args):
                 step()
                 torch.cuda.set_sync_debug_mode(0)
             rec["syncs"] = sum("synchroniz" in str(w.message) for w in caught)
-            from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 sync()
                 t0 = time.perf_counter()
@@ -563,8 +564,10 @@ def train_table(args):
                     step()
                 sync()
                 wall_us = 1e6 * (time.perf_counter() - t0)
-            ops = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
-            rec["gpu_busy"] = sum(e.self_device_time_total for e in ops) / wall_us
+            events = prof.key_averages()   # torch ops (CPU) and the kernels they launched (CUDA), each once
+            kernels_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+            rec["gpu_busy"] = kernels_us / wall_us
+            ops = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: -e.self_device_time_total)
             rec["top_ops"] = [(e.key[:60], e.self_device_time_total / 3e3, e.count // 3) for e in ops[:8]]
         row(rec)
         for name, ms, n in rec.get("top_ops", []):

@@ -447,7 +447,11 @@ class Transformer(nn.Module):
                     or v.dtype == torch.bool:
                 raise ValueError(f"{name} must be {kind} tensors on the tokens' device {device}, got {v.dtype} "
                                  f"on {v.device}")
-        if name != "modes" and any(((v < 0) | (v > 1) | v.isnan()).any() for v in values):
+        values = torch.stack(list(values))    # one host sync for every layer's values
+        if name == "modes" and ((values < FULL) | (values > BLOCK_SPARSE)).any():
+            bad = values[(values < FULL) | (values > BLOCK_SPARSE)].unique().tolist()
+            raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad}")
+        if name != "modes" and ((values < 0) | (values > 1) | values.isnan()).any():
             raise ValueError(f"{name} must lie in [0, 1]" + (" (z = 1 FULL, 0 sparse)" if name == "z" else ""))
 
     def check_positions(self, name, positions, dims, B, S, device):
@@ -473,6 +477,12 @@ class Transformer(nn.Module):
         if lengths is not None and prompt_lengths is not None and (prompt_lengths > lengths).any():
             raise ValueError(f"prompt_lengths must not exceed lengths (the router would pool padding), got "
                              f"{prompt_lengths.tolist()} and {lengths.tolist()}")
+        skip = self.cfg.pool_skip
+        if self.routers is not None and modes is None and z is None and skip:
+            reads = prompt_lengths if prompt_lengths is not None else lengths
+            if (torch.full((B,), S, device=device) if reads is None else reads).le(skip).any():
+                raise ValueError(f"every prompt length must exceed the {skip} preamble tokens the routers skip, "
+                                 f"got {reads.tolist() if reads is not None else S}")
         if rows_at is not None:
             self.check_positions("rows_at", rows_at, 1, B, S, device)
         if logits_at is not None:
@@ -509,11 +519,17 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]   # (S, D)
         x = self.embed_tokens(idx)                                                    # (B, S, C)
         records = []
-        for i, layer in enumerate(self.layers):
-            x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
-                              z=None if z is None else z[i], gate_noise=None if gate_noise is None else gate_noise[i],
-                              lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache)
-            records.append(record)
+        with masks.values_checked():   # the inputs are checked: no host syncs inside the layers
+            for i, layer in enumerate(self.layers):
+                x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
+                                  z=None if z is None else z[i],
+                                  gate_noise=None if gate_noise is None else gate_noise[i],
+                                  lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache)
+                records.append(record)
+        routed = [r["log_alpha"] for r in records if r is not None and r["log_alpha"] is not None]
+        if routed and torch.stack(routed).isnan().any():   # NaN > 0 is False: the gates took it as sparse
+            raise ValueError(f"log α has NaN entries in layers "
+                             f"{[i for i, la in enumerate(routed) if la.isnan().any()]}: a router's output is not a number")
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device)[:, None], logits_at]              # (B, K, C)
         logits = self.lm_head(self.norm(x))                                           # (B, S or K, V)

@@ -17,6 +17,8 @@ per KV head (GQA groups are contiguous: query head h reads KV head h // G), D he
 nB = ceil(S / block_size) blocks per sequence.
 """
 
+import contextlib
+import contextvars
 import math
 
 import torch
@@ -84,12 +86,33 @@ def check_sparse_params(sink, window, block_size=None):
         raise ValueError(f"block_size must be a power of two, got {block_size!r}")
 
 
+_CHECK_VALUES = contextvars.ContextVar("check_values", default=True)
+
+
+@contextlib.contextmanager
+def values_checked():
+    """Inside this block the checks that read a tensor's values on the host (modes, lengths, log α;
+    each a device synchronisation) are skipped, as torch.no_grad() skips autograd. The model enters
+    it after checking its inputs once, so its layers' calls into the kernels and routers do not stall
+    the GPU ~10 times per layer. Checks of shapes, dtypes and devices still run."""
+    token = _CHECK_VALUES.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_VALUES.reset(token)
+
+
+def checking_values():
+    """False inside values_checked(): a check that would read tensor values on the host skips it."""
+    return _CHECK_VALUES.get()
+
+
 def check_modes(modes, B, Hkv, device=None):
     if not isinstance(modes, torch.Tensor) or modes.dtype.is_floating_point or modes.dtype == torch.bool:
         raise ValueError(f"modes must be an integer tensor of shape ({B}, {Hkv}), got {modes!r}")
     if tuple(modes.shape) != (B, Hkv):
         raise ValueError(f"modes has shape {tuple(modes.shape)}, expected (B, Hkv) = ({B}, {Hkv})")
-    bad = modes[(modes < FULL) | (modes > BLOCK_SPARSE)]
+    bad = modes[(modes < FULL) | (modes > BLOCK_SPARSE)] if checking_values() else modes[:0]
     if bad.numel():
         raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad.unique().tolist()}")
     if device is not None and modes.device != device:
@@ -106,7 +129,7 @@ def check_lengths(lengths, B, S, name="lengths"):
             or lengths.dtype == torch.bool or tuple(lengths.shape) != (B,)):
         raise ValueError(f"{name} must be an integer tensor of shape (B,) = ({B},), got {lengths!r}")
     bad = (lengths < 1) | (lengths > S)
-    if bad.any():    # one host sync; cheap next to attention
+    if checking_values() and bad.any():
         raise ValueError(f"{name} must be in [1, S={S}], got {lengths[bad].tolist()}")
     return lengths
 
@@ -119,7 +142,7 @@ def check_block_mask(block_mask, modes, seq_len, block_size):
     """block_mask is required (B, Hkv, nB, nB) bool as soon as any head is BLOCK_SPARSE."""
     B, Hkv = modes.shape
     if block_mask is None:
-        if (modes == BLOCK_SPARSE).any():
+        if checking_values() and (modes == BLOCK_SPARSE).any():
             raise ValueError("some heads are BLOCK_SPARSE (mode 2) but block_mask is None")
         return
     nB = num_blocks(seq_len, block_size)

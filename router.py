@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import masks
 from masks import check_lengths
 
 # -----------------------------------------------------------------------------
@@ -42,8 +43,9 @@ _SHIFT = BETA * math.log(ZETA / -GAMMA)
 
 def _check_log_alpha(log_alpha):
     """A NaN router logit is a broken router, not a decision: NaN > 0 is False, so a gate would
-    silently call the head SPARSE. ±inf is a decision and passes. One host sync per call."""
-    if torch.isnan(log_alpha).any():
+    silently call the head SPARSE. ±inf is a decision and passes. One host sync per call, skipped
+    inside masks.values_checked() (the model checks every layer's log α once, after its layers)."""
+    if masks.checking_values() and torch.isnan(log_alpha).any():
         raise ValueError(f"log α has {int(torch.isnan(log_alpha).sum())} NaN entries of "
                          f"{log_alpha.numel()}: the router's output is not a number")
 
@@ -181,7 +183,7 @@ def boundary_pool(k, prompt_lengths, pool_tokens, skip=0):
     """
     B, Hkv, S, D = k.shape
     check_lengths(prompt_lengths, B, S, name="prompt_lengths")
-    if skip and bool((prompt_lengths <= skip).any()):
+    if skip and masks.checking_values() and bool((prompt_lengths <= skip).any()):
         raise ValueError(f"every prompt length must exceed the {skip} skipped preamble tokens, got "
                          f"{prompt_lengths.tolist()}")
     P = pool_tokens

@@ -355,6 +355,38 @@ def test_model_refuses_what_would_fail_deeper_or_silently():
     model(idx, lengths=torch.tensor([8, 4]), prompt_lengths=torch.tensor([8, 4]), gate_noise=torch.rand(2, 2, 2))
 
 
+def test_model_checks_its_layers_inputs_once_and_routers_outputs_after_them():
+    """Inside the forward the layers skip the value checks (masks.values_checked: no host syncs),
+    so the entry names what they would have: a prompt inside the skipped preamble, and after the
+    layers a router whose log α is NaN (its gates would have called the heads sparse)."""
+    cfg = tiny(pool_skip=3)
+    model, idx = model_and_tokens(cfg, 2, 8)
+    model.attach_routers()
+    with pytest.raises(ValueError, match=r"exceed the 3 preamble tokens the routers skip, got \[8, 3\]"):
+        model(idx, prompt_lengths=torch.tensor([8, 3]))
+    model(idx, prompt_lengths=torch.tensor([8, 4]))
+    model(idx, prompt_lengths=torch.tensor([8, 3]), modes=torch.zeros(2, 2, 2, dtype=torch.int32))  # no router reads
+    with torch.no_grad():
+        model.layers[1].self_attn.router.router_mlp[-1].bias.fill_(float("nan"))
+    for mode in (model.train, model.eval):
+        mode()
+        with pytest.raises(ValueError, match=r"log α has NaN entries in layers \[1\]"):
+            model(idx)
+
+
+def test_values_checked_skips_value_checks_only_inside_and_only_those():
+    bad_modes = torch.full((1, 2), 7, dtype=torch.int32)
+    with pytest.raises(ValueError, match="modes must be in"):
+        masks.check_modes(bad_modes, 1, 2)
+    with masks.values_checked():
+        masks.check_modes(bad_modes, 1, 2)                        # values: skipped
+        masks.check_lengths(torch.tensor([0]), 1, 4)
+        with pytest.raises(ValueError, match="shape"):            # shapes: still checked
+            masks.check_modes(bad_modes, 1, 3)
+    with pytest.raises(ValueError, match=r"lengths must be in \[1, S=4\]"):
+        masks.check_lengths(torch.tensor([0]), 1, 4)              # checked again after the block
+
+
 @pytest.mark.parametrize("head_config", ["FA-XA", "XA-SSA", "XA-XA"])
 def test_xattention_head_configs_run_and_threshold_one_is_dense(head_config):
     """With τ = 1 XAttention keeps every causal block, so its heads are exactly FULL heads."""
