@@ -522,6 +522,8 @@ def train_table(args):
     kernel time over the wall time of 3 profiled steps; syncs counted by torch's sync debug mode."""
     row = table("router training step (random weights and tokens, the preset's settings); ms", **TRAIN)
     gen = torch.Generator().manual_seed(args.seed)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True   # as train_router.main sets it on a GPU
     rows = []
     for preset, shape, dtype, B, S in TRAIN_GRID:
         flags = train_router.build_parser().parse_args(
@@ -574,6 +576,7 @@ def train_table(args):
             print(f"    {ms:8.2f} ms  {n:5d}×  {name}")
         rows.append(rec)
         del model, optimizer
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     return rows
 
 # ----------------------------------------------------------------------------------------------

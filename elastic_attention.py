@@ -296,6 +296,10 @@ class Attention(nn.Module):
             return router_lib.gumbel_softmax_gate(log_alpha, self.gumbel_tau, u)
         return router_lib.hard_concrete_gate(log_alpha, u)
 
+    def runs_fused(self, q, block_mask):
+        """Whether attention runs every head in its own mode in one launch (the Triton kernel)."""
+        return kernels.prefill_backend(self.cfg.backend, q, block_mask, self.cfg.block_size) == "triton"
+
     def attend(self, q, k, v, modes, block_mask):
         c = self.cfg
         return kernels.hybrid_attention(q, k, v, modes, c.sink, c.window, block_mask, c.block_size, c.backend)
@@ -344,7 +348,18 @@ class Attention(nn.Module):
 
         # 3. Attention. Training mix (METHOD.md §5): both outputs, O = z·O_full + (1 − z)·O_sparse.
         # With a hard z the forward is exactly the hybrid model, and d O / d z = O_full − O_sparse.
-        if mix:
+        # The gates' z is exactly 0 or 1, so where one launch runs each head in its own mode (the
+        # Triton kernel) the same value and gradients cost one backward instead of two: the hybrid
+        # with autograd (q, k, v get their gradient through it alone, as through the mix), and each
+        # head's other mode without, for z's gradient only.
+        if mix and log_alpha is not None and self.runs_fused(q, block_mask):
+            out = self.attend(q, k, v, modes, block_mask)                                      # (B, Hq, S, D)
+            with torch.no_grad():
+                other = self.attend(q, k, v, full_mode + sparse_mode - modes, block_mask)      # the other mode
+            zq = z.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)[:, :, None, None]  # (B, Hq, 1, 1)
+            full_minus_sparse = (out.detach().float() - other.float()) * (2 * zq.detach() - 1)
+            out = out + ((zq - zq.detach()) * full_minus_sparse).to(out.dtype)                 # + 0, d/dz = O_full − O_sparse
+        elif mix:
             o_full = self.attend(q, k, v, torch.full_like(modes, full_mode), block_mask)      # (B, Hq, S, D)
             o_sparse = self.attend(q, k, v, torch.full_like(modes, sparse_mode), block_mask)  # (B, Hq, S, D)
             zq = z.to(q.dtype).repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)       # (B, Hq)

@@ -94,6 +94,12 @@ def resolve_backend(backend, dtype, on_cuda, head_dim, min_head_dim=1, block_siz
     return backend
 
 
+def prefill_backend(backend, q, block_mask=None, block_size=64):
+    """The backend hybrid_attention runs for q (B, Hq, S, D): resolve_backend with the fused prefill
+    kernel's own limits. "triton" runs every head in its own mode in one launch."""
+    return resolve_backend(backend, q.dtype, q.is_cuda, q.shape[-1], **_prefill_limits(block_mask, block_size))
+
+
 def _prefill_limits(block_mask, block_size):
     """The fused prefill kernel's own limits, as triton_unsupported's keywords."""
     return dict(min_head_dim=16, block_size=block_size if block_mask is not None else None)
@@ -883,7 +889,7 @@ def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=6
     check_sparse_params(sink, window, block_size)
     check_modes(modes, B, Hkv, device=q.device)
     check_block_mask(block_mask, modes, S, block_size)
-    backend = resolve_backend(backend, q.dtype, q.is_cuda, D, **_prefill_limits(block_mask, block_size))
+    backend = prefill_backend(backend, q, block_mask, block_size)
     if backend == "triton":
         return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
     if backend == "torch" and modes.numel():

@@ -366,6 +366,37 @@ def test_backend_choice_does_not_depend_on_grad_mode():
     torch.testing.assert_close(g_fused, g_ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_config", ["FA-SSA", "FA-XA"])
+def test_training_mix_through_one_launch_equals_the_two_branch_mix(monkeypatch, head_config):
+    """With the kernel, training runs the hybrid of the gates' modes with autograd and each head's
+    other mode without; the value and every gradient (the input's, the routers') must be those of
+    O = z·O_full + (1 − z)·O_sparse with both branches differentiated."""
+    import elastic_attention
+    cfg = elastic_attention.Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, max_seq_len=64,
+                                   sink=3, window=9, block_size=16, head_config=head_config, backend="triton")
+    torch.manual_seed(0)
+    model = elastic_attention.Transformer(cfg).to(DEVICE)
+    model.attach_routers()
+    model.train()
+    idx = torch.randint(0, 40, (3, 45), device=DEVICE)
+    noise = torch.rand(2, 3, 2, device=DEVICE)
+
+    def run():
+        model.zero_grad()
+        logits, info = model(idx, gate_noise=noise)
+        (logits.square().sum() + info["omega_msr"].sum()).backward()
+        return logits.detach(), info["z"], [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    fused = run()
+    monkeypatch.setattr(elastic_attention.Attention, "runs_fused", lambda self, q, block_mask: False)
+    two_branch = run()
+    torch.testing.assert_close(fused[0], two_branch[0], rtol=0, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(fused[1], two_branch[1]))
+    assert 0 < torch.stack(fused[1]).mean() < 1, "both modes should occur"
+    assert len(fused[2]) == len(two_branch[2]) == len(list(model.parameters()))
+    for a, b in zip(fused[2], two_branch[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+
+
 def test_torch_backend_runs_mixed_modes_through_the_reference():
     q, k, v, _, bm = make_case(1, 2, 2, 40, 16, torch.float32, seed=9, block_size=16)
     mixed = torch.tensor([[FULL, STREAMING]], device=DEVICE)
