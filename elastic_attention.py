@@ -480,8 +480,9 @@ class Transformer(nn.Module):
         if ((positions < 0) | (positions >= S)).any():
             raise ValueError(f"{name} must be positions in [0, S={S}), got {positions.tolist()}")
 
-    def check_inputs(self, B, S, device, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at):
-        """forward's arguments besides the tokens: a ValueError naming the first bad one."""
+    def check_inputs(self, B, S, device, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at, routed):
+        """forward's arguments besides the tokens: a ValueError naming the first bad one. routed: the
+        routers will read the prompt (attached, no modes or z given, not a decoding step)."""
         if modes is not None and z is not None:
             raise ValueError("give modes or z, not both")
         for name, values in (("modes", modes), ("z", z), ("gate_noise", gate_noise)):
@@ -493,7 +494,7 @@ class Transformer(nn.Module):
             raise ValueError(f"prompt_lengths must not exceed lengths (the router would pool padding), got "
                              f"{prompt_lengths.tolist()} and {lengths.tolist()}")
         skip = self.cfg.pool_skip
-        if self.routers is not None and modes is None and z is None and skip:
+        if routed and skip:
             reads = prompt_lengths if prompt_lengths is not None else lengths
             if (torch.full((B,), S, device=device) if reads is None else reads).le(skip).any():
                 raise ValueError(f"every prompt length must exceed the {skip} preamble tokens the routers skip, "
@@ -527,7 +528,8 @@ class Transformer(nn.Module):
         """
         self.check_tokens(idx)
         B, S = idx.shape
-        self.check_inputs(B, S, idx.device, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at)
+        routed = self.routers is not None and modes is None and z is None and cache is None
+        self.check_inputs(B, S, idx.device, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at, routed)
         if prompt_lengths is None:
             prompt_lengths = lengths
         start = 0 if cache is None else cache.n_tokens      # decoding: the new token's position

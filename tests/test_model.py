@@ -366,6 +366,8 @@ def test_model_checks_its_layers_inputs_once_and_routers_outputs_after_them():
         model(idx, prompt_lengths=torch.tensor([8, 3]))
     model(idx, prompt_lengths=torch.tensor([8, 4]))
     model(idx, prompt_lengths=torch.tensor([8, 3]), modes=torch.zeros(2, 2, 2, dtype=torch.int32))  # no router reads
+    out, _ = model.eval().generate(idx, 3)             # decoding steps (one token each) reuse the prefill's modes
+    assert out.shape == (2, 11)
     with torch.no_grad():
         model.layers[1].self_attn.router.router_mlp[-1].bias.fill_(float("nan"))
     for mode in (model.train, model.eval):
