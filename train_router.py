@@ -990,7 +990,8 @@ def decoded_answers(run, model):
     if run.P["suite"] != "smollm2":
         return {}
     import smollm2
-    smollm2.load_routers(model, smollm2.read_routers(os.path.join(run.out_dir, "router.pt")))
+    smollm2.load_routers(model, smollm2.read_routers(os.path.join(run.out_dir, "router.pt"), model.cfg.n_layers,
+                                                     model.cfg.head_dim))
     model.eval()
     answers = {}
     for t in run.suite.tasks:

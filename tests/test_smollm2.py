@@ -570,3 +570,17 @@ def test_real_model_answers_in_chat():
     ids = torch.tensor([tok.chat_ids("What is the capital of France?")])
     out, _ = model.generate(ids, 8)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monkeypatch):
+    """train_router's smollm2 path, every stage down to the report and the decoded answers, on the
+    tiny model and Python's own prose (no download): what a GPU run does, cut down to seconds."""
+    import train_router
+    monkeypatch.setattr(smollm2, "verify_gguf", lambda path: path)   # the tiny file, not the pinned one
+    out = tmp_path / "run"
+    train_router.main(["--preset", "smollm2", "--gguf", tiny_file[0], "--haystack", "pydoc", "--device", "cpu",
+                       "--seq-len", "1024", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
+                       "--calib-per-task", "2", "--curve-points", "2", "--out", str(out)])
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["results"]["elastic"]) == {t.name for t in smollm2.TASKS}
+    assert res["decoded_answers"] and len(res["train_log"]) == 2 and len(res["static_log"]) == 2
