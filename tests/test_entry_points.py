@@ -1,6 +1,7 @@
 """The commands a reader types first: they behave on a shared CPU, refuse bad flags and files in one
 line before any long work, and say what they are doing. Subprocesses on the CPU, most a few seconds."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -178,12 +179,14 @@ def test_bench_refuses_a_long_sequence_on_a_cpu_before_making_a_folder(tmp_path)
 
 
 def test_bench_cpu_smoke_peers_agree_and_the_cache_saves_its_ideal(tmp_path):
-    """Two of the four tables, cut down (under a minute): FlexAttention and the split baseline,
+    """Three of the five tables, cut down (under a minute): FlexAttention and the split baseline,
     their masks built from masks.py's predicates, give our kernel's output; the compact decode
-    cache holds exactly the bytes its layout promises and decodes as the masked reference does."""
+    cache holds exactly the bytes its layout promises and decodes as the masked reference does;
+    a router-training step runs and gives a finite loss."""
     if __import__("torch").cuda.is_available():
         pytest.skip("on a GPU bench.py times the full shapes")
-    proc = run("bench.py", "--tables", "forward", "decode", "--fracs", "0.5", "--out", str(tmp_path), timeout=600)
+    proc = run("bench.py", "--tables", "forward", "decode", "train", "--fracs", "0.5", "--out", str(tmp_path),
+               timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(tmp_path / "bench.json", encoding="utf-8") as f:
         results = json.load(f)
@@ -196,6 +199,7 @@ def test_bench_cpu_smoke_peers_agree_and_the_cache_saves_its_ideal(tmp_path):
         assert r["saved"] == pytest.approx(r["ideal_saved"]), r
         assert r["ours_diff"] < 1e-2, r
     assert any(r.get("flex_diff") is not None and r["flex_diff"] < 1e-2 for r in results["decode"])
+    assert [r["preset"] for r in results["train"]] == ["tiny"] and math.isfinite(results["train"][0]["loss"])
     assert "_ms" not in proc.stdout and "_us" not in proc.stdout, "an interpreter's times were printed"
 
 
