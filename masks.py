@@ -93,8 +93,8 @@ _CHECK_VALUES = contextvars.ContextVar("check_values", default=True)
 def values_checked():
     """Inside this block the checks that read a tensor's values on the host (modes, lengths, log α;
     each a device synchronisation) are skipped, as torch.no_grad() skips autograd. The model enters
-    it after checking its inputs once, so its layers' calls into the kernels and routers do not stall
-    the GPU ~10 times per layer. Checks of shapes, dtypes and devices still run."""
+    it after checking its inputs once, so that its layers' calls into the kernels and routers do not
+    each stall the GPU. Checks of shapes, dtypes and devices still run."""
     token = _CHECK_VALUES.set(False)
     try:
         yield
