@@ -496,9 +496,9 @@ class Transformer(nn.Module):
         skip = self.cfg.pool_skip
         if routed and skip:
             reads = prompt_lengths if prompt_lengths is not None else lengths
-            if (torch.full((B,), S, device=device) if reads is None else reads).le(skip).any():
+            if (S if reads is None else int(reads.min())) <= skip:
                 raise ValueError(f"every prompt length must exceed the {skip} preamble tokens the routers skip, "
-                                 f"got {reads.tolist() if reads is not None else S}")
+                                 f"got {reads.tolist() if reads is not None else [S] * B}")
         if rows_at is not None:
             self.check_positions("rows_at", rows_at, 1, B, S, device)
         if logits_at is not None:
@@ -543,10 +543,10 @@ class Transformer(nn.Module):
                                   gate_noise=None if gate_noise is None else gate_noise[i],
                                   lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache)
                 records.append(record)
-        routed = [r["log_alpha"] for r in records if r is not None and r["log_alpha"] is not None]
-        if routed and torch.stack(routed).isnan().any():   # NaN > 0 is False: the gates took it as sparse
+        if routed and torch.stack([r["log_alpha"] for r in records]).isnan().any():  # NaN > 0 is False: taken as sparse
             raise ValueError(f"log α has NaN entries in layers "
-                             f"{[i for i, la in enumerate(routed) if la.isnan().any()]}: a router's output is not a number")
+                             f"{[i for i, r in enumerate(records) if r['log_alpha'].isnan().any()]}: a router's output "
+                             f"is not a number")
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device)[:, None], logits_at]              # (B, K, C)
         logits = self.lm_head(self.norm(x))                                           # (B, S or K, V)
