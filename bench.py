@@ -517,66 +517,71 @@ def train_batch(cfg, B, S, gen):
                 task_counts=torch.bincount(task_ids, minlength=4), n_answer=(targets != -100).sum())
 
 
-def train_table(args):
-    """Per preset: train_router.train_step timed over 10 steps after 3 of warm-up; gpu_busy the GPU
+def train_row(preset, shape, dtype, B, S, args, gen):
+    """One preset: train_router.train_step timed over 10 steps after 3 of warm-up; gpu_busy the GPU
     kernel time over the wall time of 3 profiled steps; syncs counted by torch's sync debug mode."""
+    flags = train_router.build_parser().parse_args(
+        ["--preset", preset, "--batch-size", str(B), "--seq-len", str(S), "--device", DEVICE, "--seed", str(args.seed)])
+    P, _ = train_router.settings_from(flags)
+    torch.manual_seed(args.seed)   # the random weights and the routers' init
+    model = Transformer(Config.shape(shape, backend=P["backend"])).to(DEVICE, dtype)
+    params = model.attach_routers()
+    router_lib.freeze_backbone(model)
+    model.train()
+    run = train_router.Run(P, flags, torch.device(DEVICE), None, None)
+    lagrangian = router_lib.SparsityLagrangian(4, [0.7, 0.7, 0.95, 0.95]).to(DEVICE)
+    optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, 10 ** 6, P["router_lr"], P["lambda_lr"])
+    sens = torch.tensor([True, True, False, False], device=DEVICE)
+    b = {k: v.to(DEVICE) for k, v in train_batch(model.cfg, B, S, gen).items()}
+
+    def step():
+        return train_router.train_step(run, model, model, lagrangian, optimizer, scheduler, params, sens, b, False, 0)
+    rec = dict(preset=preset, B=B, S=S, loss=step()["loss"])
+    if not CUDA:
+        return rec
+    for _ in range(3):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        step()
+    sync()
+    rec["step_ms"] = 1e3 * (time.perf_counter() - t0) / 10
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        step()
+        torch.cuda.set_sync_debug_mode(0)
+    rec["syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        sync()
+        wall_us = 1e6 * (time.perf_counter() - t0)
+    events = prof.key_averages()   # torch ops (CPU) and the kernels they launched (CUDA), each once
+    rec["gpu_busy"] = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / wall_us
+    ops = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: -e.self_device_time_total)
+    rec["top_ops"] = [(e.key[:60], e.self_device_time_total / 3e3, e.count // 3) for e in ops[:8]]
+    return rec
+
+
+def train_table(args):
+    """One row per preset of TRAIN_GRID (train_row), then its top ops by GPU time."""
     row = table("router training step (random weights and tokens, the preset's settings); ms", **TRAIN)
     gen = torch.Generator().manual_seed(args.seed)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True   # as train_router.main sets it on a GPU
     rows = []
-    for preset, shape, dtype, B, S in TRAIN_GRID:
-        flags = train_router.build_parser().parse_args(
-            ["--preset", preset, "--batch-size", str(B), "--seq-len", str(S), "--device", DEVICE, "--seed", str(args.seed)])
-        P, _ = train_router.settings_from(flags)
-        cfg = Config.shape(shape, backend=P["backend"])
-        model = Transformer(cfg).to(DEVICE, dtype)
-        params = model.attach_routers()
-        router_lib.freeze_backbone(model)
-        model.train()
-        run = train_router.Run(P, flags, torch.device(DEVICE), None, None)
-        lagrangian = router_lib.SparsityLagrangian(4, [0.7, 0.7, 0.95, 0.95]).to(DEVICE)
-        optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, 10 ** 6, P["router_lr"], P["lambda_lr"])
-        sens = torch.tensor([True, True, False, False], device=DEVICE)
-        b = {k: v.to(DEVICE) for k, v in train_batch(cfg, B, S, gen).items()}
-
-        def step():
-            return train_router.train_step(run, model, model, lagrangian, optimizer, scheduler, params, sens, b,
-                                           False, 0)
-        rec = dict(preset=preset, B=B, S=S, loss=step()["loss"])
-        if CUDA:
-            for _ in range(3):
-                step()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                step()
-            sync()
-            rec["step_ms"] = 1e3 * (time.perf_counter() - t0) / 10
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                step()
-                torch.cuda.set_sync_debug_mode(0)
-            rec["syncs"] = sum("synchroniz" in str(w.message) for w in caught)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    step()
-                sync()
-                wall_us = 1e6 * (time.perf_counter() - t0)
-            events = prof.key_averages()   # torch ops (CPU) and the kernels they launched (CUDA), each once
-            kernels_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
-            rec["gpu_busy"] = kernels_us / wall_us
-            ops = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: -e.self_device_time_total)
-            rec["top_ops"] = [(e.key[:60], e.self_device_time_total / 3e3, e.count // 3) for e in ops[:8]]
-        row(rec)
-        for name, ms, n in rec.get("top_ops", []):
-            print(f"    {ms:8.2f} ms  {n:5d}×  {name}")
-        rows.append(rec)
-        del model, optimizer
-    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        for grid_row in TRAIN_GRID:
+            rows.append(train_row(*grid_row, args, gen))
+            row(rows[-1])
+            for name, ms, n in rows[-1].get("top_ops", []):
+                print(f"    {ms:8.2f} ms  {n:5d}×  {name}")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return rows
 
 # ----------------------------------------------------------------------------------------------

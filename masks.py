@@ -112,9 +112,10 @@ def check_modes(modes, B, Hkv, device=None):
         raise ValueError(f"modes must be an integer tensor of shape ({B}, {Hkv}), got {modes!r}")
     if tuple(modes.shape) != (B, Hkv):
         raise ValueError(f"modes has shape {tuple(modes.shape)}, expected (B, Hkv) = ({B}, {Hkv})")
-    bad = modes[(modes < FULL) | (modes > BLOCK_SPARSE)] if checking_values() else modes[:0]
-    if bad.numel():
-        raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad.unique().tolist()}")
+    if checking_values():
+        bad = modes[(modes < FULL) | (modes > BLOCK_SPARSE)]
+        if bad.numel():
+            raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad.unique().tolist()}")
     if device is not None and modes.device != device:
         raise ValueError(f"modes is on {modes.device} but q is on {device}")
 
