@@ -42,7 +42,7 @@ haystacks never share a paragraph with training ones; text_fingerprint() names t
 
 Tasks (each a ChatML user turn: instruction, document, question; the assistant answers):
     passkey      sensitive  a 5-digit pass key at a random depth in the document
-    fact_word    sensitive  one fact, "<name>'s secret word is <word>", at a random depth
+    fact_word    sensitive  one fact, "<name>'s secret word is <word>" (said twice), at a random depth
     recent_fact  robust     a note with a 4-digit room number within the last ~200 tokens
     continue     robust     the assistant continues the document; mean NLL of 64 tokens
 The accuracy tasks teacher-force a fixed answer sentence and score exact match on its value tokens
@@ -582,9 +582,10 @@ def _passkey(rng):
 
 def _fact_word(rng):
     name, word = rng.choice(NAMES), rng.choice(WORDS)
+    # Said twice, as the pass key is: stated once, SmolLM2-135M recalled it in 86 % of 4K prompts, twice in 97 %.
     return dict(instruction="Read the document below carefully. Somewhere in it, a person's secret word is "
-                            "mentioned.",
-                needle=f"{name}'s secret word is \"{word}\".",
+                            "mentioned. Find it and remember it: I will ask you for it at the end.",
+                needle=f"{name}'s secret word is \"{word}\". Remember it. \"{word}\" is {name}'s secret word.",
                 question=f"What is {name}'s secret word?", answer=f"{name}'s secret word is \"{word}\".",
                 value=word)
 
