@@ -463,10 +463,9 @@ class Transformer(nn.Module):
                 raise ValueError(f"{name} must be {kind} tensors on the tokens' device {device}, got {v.dtype} "
                                  f"on {v.device}")
         values = torch.stack(list(values))    # one host sync for every layer's values
-        if name == "modes" and ((values < FULL) | (values > BLOCK_SPARSE)).any():
-            bad = values[(values < FULL) | (values > BLOCK_SPARSE)].unique().tolist()
-            raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad}")
-        if name != "modes" and ((values < 0) | (values > 1) | values.isnan()).any():
+        if name == "modes":
+            masks.check_mode_values(values)
+        elif ((values < 0) | (values > 1) | values.isnan()).any():
             raise ValueError(f"{name} must lie in [0, 1]" + (" (z = 1 FULL, 0 sparse)" if name == "z" else ""))
 
     def check_positions(self, name, positions, dims, B, S, device):

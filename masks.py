@@ -107,15 +107,20 @@ def checking_values():
     return _CHECK_VALUES.get()
 
 
+def check_mode_values(modes):
+    """Every entry one of the three modes (reads the values: one host sync)."""
+    bad = modes[(modes < FULL) | (modes > BLOCK_SPARSE)]
+    if bad.numel():
+        raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad.unique().tolist()}")
+
+
 def check_modes(modes, B, Hkv, device=None):
     if not isinstance(modes, torch.Tensor) or modes.dtype.is_floating_point or modes.dtype == torch.bool:
         raise ValueError(f"modes must be an integer tensor of shape ({B}, {Hkv}), got {modes!r}")
     if tuple(modes.shape) != (B, Hkv):
         raise ValueError(f"modes has shape {tuple(modes.shape)}, expected (B, Hkv) = ({B}, {Hkv})")
     if checking_values():
-        bad = modes[(modes < FULL) | (modes > BLOCK_SPARSE)]
-        if bad.numel():
-            raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad.unique().tolist()}")
+        check_mode_values(modes)
     if device is not None and modes.device != device:
         raise ValueError(f"modes is on {modes.device} but q is on {device}")
 
