@@ -475,7 +475,7 @@ def decode_table(args):
                                ideal=full_bytes / compact, **dense)
                     ref = measure(rec, "masked", lambda: masked_decode(q, k, v, modes, sink, window), None, args)
                     measure(rec, "ours", lambda: decode.decode_attention(
-                        q, cache.k[0], cache.v[0], cache.start[0], cache.cap[0], S, max_cap=cache.max_cap[0]),
+                        q, cache.k[0], cache.v[0], cache.start[0], cache.cap[0], S, **cache.extents(0, S)),
                         ref, args, args.cudagraph)
                     if frac == 0 and o_sdpa is not None and ref is not None:
                         rec["sdpa_diff"] = max_diff(o_sdpa, ref)

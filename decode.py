@@ -89,7 +89,8 @@ class KVCache:
         self.B, self.n_kv_heads = modes[0].shape
         self.backend, self.n_tokens = backend, 0
         self.k, self.v, self.start, self.cap, self.stream, self.max_cap = [], [], [], [], [], []
-        ring = min(sink + window, max_len)   # a window reaching past max_len never wraps
+        self.n_stream = []   # per layer, a python int: with ring and max_len, the rows read at any length
+        self.ring = ring = min(sink + window, max_len)   # a window reaching past max_len never wraps
         for m in modes:
             stream = (m == STREAMING).to(device)                                   # (B, Hkv)
             cap = torch.where(stream, ring, max_len).to(torch.int32)              # (B, Hkv)
@@ -100,8 +101,10 @@ class KVCache:
             self.start.append(start)
             self.cap.append(cap)
             self.stream.append(stream)
-            # The longest extent, a python int: sizes the decode grid without a host sync per step.
-            self.max_cap.append(ring if bool(stream.all()) else max_len)
+            # The longest extent and the STREAMING count, python ints: they size the decode grid
+            # without a host sync per step.
+            self.n_stream.append(int(stream.sum()))
+            self.max_cap.append(ring if self.n_stream[-1] == stream.numel() else max_len)
 
     @classmethod
     def from_prefill(cls, ks, vs, modes, sink, window, max_len, backend="auto"):
@@ -149,8 +152,15 @@ class KVCache:
         """Decode attention of q (B, Hq, D) over the first n_tokens positions → (B, Hq, D)."""
         args = (q, self.k[layer], self.v[layer], self.start[layer], self.cap[layer], n_tokens)
         if resolve_backend(self.backend, q.dtype, q.is_cuda, self.head_dim) == "triton":
-            return decode_attention(*args, max_cap=self.max_cap[layer])
+            return decode_attention(*args, **self.extents(layer, n_tokens))
         return decode_attention_reference(*args)   # "torch" too: decode has no better torch path
+
+    def extents(self, layer, n_tokens):
+        """decode_attention's grid sizes for this layer at n_tokens, from python ints (no host sync):
+        the longest head's rows and the rows all heads hold."""
+        n_stream, n_long = self.n_stream[layer], self.B * self.n_kv_heads - self.n_stream[layer]
+        live_rows = n_stream * min(self.ring, n_tokens) + n_long * min(self.max_len, n_tokens)
+        return dict(max_cap=self.max_cap[layer], live_rows=live_rows)
 
     def nbytes(self):
         """Bytes of K and V held, all layers and samples."""
@@ -352,25 +362,28 @@ if HAS_TRITON:
 
 
 def _decode_config(interpret):
-    """(BLOCK_N, num_warps, num_stages, min keys per split). GPU: 128-key tiles (32 KB of K and of V
-    at D = 128, bf16) with 3 stages of prefetch; a split is at least 256 keys, so its partial output
-    (G·D fp32, written and read again) is a few percent of the K/V it reads. Interpreter: small tiles
-    and splits, so that short test caches still cross several tiles and splits."""
+    """(BLOCK_N, num_warps, num_stages, min and max keys per split). GPU: 64-key tiles (16 KB of K and
+    of V at D = 128, bf16) with 3 stages of prefetch, 96 KB of shared memory: two programs fit an SM.
+    A split is at least 256 keys, so its partial output (G·D fp32, written and read again) is a few
+    percent of the K/V it reads, and at most 4096, so that a large batch still gives each SM several
+    programs. Interpreter: small tiles and splits, so that short test caches cross several of each."""
     if interpret:
-        return 16, 4, 1, 32
-    return 128, 4, 3, 256
+        return 16, 4, 1, 32, 64
+    return 64, 4, 3, 256, 4096
 
 
-def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, keys_per_split=None, config=None):
+def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=None, keys_per_split=None,
+                     config=None):
     """One query token per sample against the compact cache: q (B, Hq, D); k, v (R, D) rows; head
     (b, h) reads rows start[b, h] … start[b, h] + min(cap[b, h], n_tokens) - 1. Returns (B, Hq, D) in
     q's dtype; the same numbers as decode_attention_reference.
 
     Grid: (splits, B·Hkv) programs of keys_per_split rows each (a head with fewer live rows leaves its
-    last splits empty), then B·Hq programs to merge the splits. max_cap (an int >= every cap) sizes
-    the grid without a host sync; keys_per_split defaults to about 16 programs per SM as if every head
-    were as long as the longest (at least the config's minimum); config = (BLOCK_N, num_warps,
-    num_stages, min keys per split) overrides _decode_config.
+    last splits empty), then B·Hq programs to merge the splits. max_cap (an int >= every cap) and
+    live_rows (an int, Σ min(cap, n_tokens) over the heads: the rows read) size the grid without a
+    host sync. keys_per_split defaults to about two programs per SM over the rows the heads really
+    hold, within the config's bounds; config = (BLOCK_N, num_warps, num_stages, min and max keys per
+    split) overrides _decode_config.
     """
     B, Hq, Hkv, D = check_decode_inputs(q, k, v, start, cap, n_tokens)
     reason = triton_unsupported(q.dtype, q.is_cuda, D)
@@ -378,11 +391,18 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, keys_per_sp
         raise ValueError(f"decode_attention: {reason}")
     interpret = interpreting()
     G = Hq // Hkv
-    BLOCK_N, num_warps, num_stages, min_split = config or _decode_config(interpret)
+    BLOCK_N, num_warps, num_stages, min_split, max_split = config or _decode_config(interpret)
     live_max = min(int(cap.max()) if max_cap is None else max_cap, n_tokens)
     if keys_per_split is None:
+        # Sized by the rows read, not B·Hkv·live_max: at batch 1 with most heads STREAMING, a few FULL
+        # heads hold nearly all rows, and splits sized as if every head were that long are too short
+        # to fill the pipeline of the programs that do the work.
+        if live_rows is None:
+            live_rows = int(cap.clamp(max=n_tokens).sum())                # one host sync
+        elif not isinstance(live_rows, int) or live_rows < 1:
+            raise ValueError(f"live_rows must be an int >= 1, got {live_rows!r}")
         n_sm = 1 if interpret else torch.cuda.get_device_properties(q.device).multi_processor_count
-        keys_per_split = max(min_split, triton.cdiv(B * Hkv * live_max, 16 * n_sm))
+        keys_per_split = min(max(min_split, triton.cdiv(live_rows, 2 * n_sm)), max_split)
         keys_per_split = triton.cdiv(keys_per_split, BLOCK_N) * BLOCK_N  # whole tiles
     elif not isinstance(keys_per_split, int) or keys_per_split < 1:
         raise ValueError(f"keys_per_split must be an int >= 1, got {keys_per_split!r}")

@@ -164,6 +164,10 @@ def test_bytes_saved_are_the_ideal(frac):
     cache = decode.KVCache([modes, modes], sink, window, T, 32, torch.float16, "cpu")
     full = decode.full_cache_bytes(2, 2, Hkv, T, 32, torch.float16)
     assert 1 - cache.nbytes() / full == pytest.approx(frac * (1 - (sink + window) / T), abs=1e-12)
+    # The grid hints, from python ints, are the rows the heads hold at every length.
+    for n in (1, 50, sink + window, 500, T):
+        assert cache.extents(1, n) == dict(max_cap=T if frac < 1 else sink + window,
+                                           live_rows=int(cache.cap[1].clamp(max=n).sum()))
 
 # ----------------------------------------------------------------------------------------------
 # The decode kernel against its naive twin, on drawn cases.
@@ -272,6 +276,8 @@ def test_bad_input():
     if kernels.HAS_TRITON:
         with pytest.raises(ValueError, match="keys_per_split must be an int >= 1, got 0"):
             decode.decode_attention(q, k, k, start, cap, 5, keys_per_split=0)
+        with pytest.raises(ValueError, match="live_rows must be an int >= 1, got 12.5"):
+            decode.decode_attention(q, k, k, start, cap, 5, live_rows=12.5)
         with pytest.raises(ValueError, match="supports float16, bfloat16 and float32, got torch.float64"):
             decode.decode_attention(q.double(), k.double(), k.double(), start, cap, 5)
     with pytest.raises(ValueError, match="backend must be one of .*, got 'cuda'"):
