@@ -393,14 +393,14 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=N
     G = Hq // Hkv
     BLOCK_N, num_warps, num_stages, min_split, max_split = config or _decode_config(interpret)
     live_max = min(int(cap.max()) if max_cap is None else max_cap, n_tokens)
+    if live_rows is not None and (not isinstance(live_rows, int) or live_rows < 1):
+        raise ValueError(f"live_rows must be an int >= 1, got {live_rows!r}")
     if keys_per_split is None:
         # Sized by the rows read, not B·Hkv·live_max: at batch 1 with most heads STREAMING, a few FULL
         # heads hold nearly all rows, and splits sized as if every head were that long are too short
         # to fill the pipeline of the programs that do the work.
         if live_rows is None:
             live_rows = int(cap.clamp(max=n_tokens).sum())                # one host sync
-        elif not isinstance(live_rows, int) or live_rows < 1:
-            raise ValueError(f"live_rows must be an int >= 1, got {live_rows!r}")
         n_sm = 1 if interpret else torch.cuda.get_device_properties(q.device).multi_processor_count
         keys_per_split = min(max(min_split, triton.cdiv(live_rows, 2 * n_sm)), max_split)
         keys_per_split = triton.cdiv(keys_per_split, BLOCK_N) * BLOCK_N  # whole tiles
