@@ -88,8 +88,8 @@ class KVCache:
         self.sink, self.window, self.max_len, self.head_dim = sink, window, max_len, head_dim
         self.B, self.n_kv_heads = modes[0].shape
         self.backend, self.n_tokens = backend, 0
-        self.k, self.v, self.start, self.cap, self.stream, self.max_cap = [], [], [], [], [], []
-        self.n_stream = []   # per layer, a python int: with ring and max_len, the rows read at any length
+        self.k, self.v, self.start, self.cap, self.stream = [], [], [], [], []
+        self.n_stream = []   # per layer, a python int: with ring and max_len, the grid's sizes at any length
         self.ring = ring = min(sink + window, max_len)   # a window reaching past max_len never wraps
         for m in modes:
             stream = (m == STREAMING).to(device)                                   # (B, Hkv)
@@ -101,10 +101,7 @@ class KVCache:
             self.start.append(start)
             self.cap.append(cap)
             self.stream.append(stream)
-            # The longest extent and the STREAMING count, python ints: they size the decode grid
-            # without a host sync per step.
-            self.n_stream.append(int(stream.sum()))
-            self.max_cap.append(ring if self.n_stream[-1] == stream.numel() else max_len)
+            self.n_stream.append(int(stream.sum()))                                # one host sync, at prefill
 
     @classmethod
     def from_prefill(cls, ks, vs, modes, sink, window, max_len, backend="auto"):
@@ -160,7 +157,7 @@ class KVCache:
         the longest head's rows and the rows all heads hold."""
         n_stream, n_long = self.n_stream[layer], self.B * self.n_kv_heads - self.n_stream[layer]
         live_rows = n_stream * min(self.ring, n_tokens) + n_long * min(self.max_len, n_tokens)
-        return dict(max_cap=self.max_cap[layer], live_rows=live_rows)
+        return dict(max_cap=self.max_len if n_long else self.ring, live_rows=live_rows)
 
     def nbytes(self):
         """Bytes of K and V held, all layers and samples."""
