@@ -210,7 +210,7 @@ class AttentionRouter(nn.Module):
     the router — no task id — so at inference it must infer the task from the prompt itself.
     """
 
-    def __init__(self, head_dim, hidden_mult=4, pool_tokens=100, pool_skip=0):
+    def __init__(self, head_dim, hidden_mult=4, pool_tokens=100, pool_skip=0, init_logit=0.0):
         super().__init__()
         if not isinstance(head_dim, int) or head_dim < 1:
             raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
@@ -220,6 +220,8 @@ class AttentionRouter(nn.Module):
             raise ValueError(f"pool_tokens must be an int >= 1, got {pool_tokens!r}")
         if not isinstance(pool_skip, int) or pool_skip < 0:
             raise ValueError(f"pool_skip must be an int >= 0, got {pool_skip!r}")
+        if isinstance(init_logit, bool) or not isinstance(init_logit, (int, float)) or not math.isfinite(init_logit):
+            raise ValueError(f"init_logit must be a finite number, got {init_logit!r}")
         D, hidden = head_dim, hidden_mult * head_dim
         self.head_dim, self.pool_tokens, self.pool_skip = head_dim, pool_tokens, pool_skip
         # The pooled keys are standardised before the MLPs: (x − shift) / scale per feature, with the
@@ -233,17 +235,17 @@ class AttentionRouter(nn.Module):
         # Router MLP: from that feature to the FULL-vs-SPARSE logit.
         self.router_mlp = nn.Sequential(nn.Linear(D, hidden), nn.SiLU(), nn.Linear(hidden, D), nn.SiLU(),
                                         nn.Linear(D, 1))
-        # Initial decisions: log α ≈ 0, so P(FULL) ≈ ½ for every head — neither all-full nor
-        # all-sparse by accident. A zero last layer would give exactly that, but then the gradient
+        # Initial decisions: log α ≈ init_logit for every head and input; the default 0 gives
+        # P(FULL) ≈ ½ — neither all-full nor all-sparse by accident. A zero last layer would give exactly that, but then the gradient
         # into every earlier layer (∂log α/∂h = W_last) is exactly zero, and AdamW turns a zero
         # gradient into a zero step, so for the first steps only the last layer would learn. We
         # shrink PyTorch's default init of the last layer by 100 instead: log α starts within a
-        # few hundredths of 0, and Adam's per-parameter normalisation makes the small (but
+        # few hundredths of init_logit, and Adam's per-parameter normalisation makes the small (but
         # non-zero) gradients to earlier layers move them at full speed from step one.
         last = self.router_mlp[-1]
         with torch.no_grad():
             last.weight.mul_(0.01)
-            last.bias.zero_()
+            last.bias.fill_(init_logit)
 
     def forward(self, k, prompt_lengths=None):
         """k (B, Hkv, S, D) key states before RoPE, prompt_lengths (B,) int: the tokens it may read
@@ -376,6 +378,20 @@ class SparsityLagrangian(nn.Module):
         per_task = (onehot * per_sample[:, None]).sum(0) / count.clamp(min=1)  # (T,)
         present = (count > 0).to(per_task.dtype)                               # (T,)
         return (per_task * present).sum() / present.sum()
+
+
+def consistency_penalty(log_alpha, task_ids, num_tasks):
+    """Per input, Σ over layers and heads of (P(FULL) − its mean over the batch's inputs of the same
+    task)²: how far the input's head set strays from its task's. log_alpha (L, B, Hkv), task_ids (B,)
+    -> (B,) float32; an input alone of its task in the batch gets 0.
+
+    The routers still see only the prompt; the task label enters training only, as it does through
+    the per-task targets. What routing learns from one input that it cannot learn from its task is
+    noise in which heads stay FULL (METHOD.md §6)."""
+    p = torch.sigmoid(log_alpha.float())                                       # (L, B, Hkv) P(FULL)
+    onehot = F.one_hot(task_ids, num_tasks).to(p.dtype)                        # (B, T)
+    mean = torch.einsum("lbh,bt->lth", p, onehot) / onehot.sum(0).clamp(min=1)[None, :, None]  # (L, T, Hkv)
+    return (p - mean[:, task_ids]).pow(2).sum(dim=(0, 2))                      # (B,)
 
 
 def balanced_answer_loss(logits, targets, task_ids, task_counts):

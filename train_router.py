@@ -85,16 +85,17 @@ PRESETS = {
     # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, news prose, routers
     # trained at 4K tokens and evaluated at 4K, 6K and 8K. Clipping 5 and the logit penalty keep the
     # routers' logits where the gate passes gradient; their inputs are standardised, and the loss
-    # weighs every task alike. The sensitive target 0.5 is at or below the untrained routers' Ω, so
-    # the two categories' multipliers pull apart from the first step; the robust target 0.95 leaves a
-    # few heads FULL. 600 steps: with Adam a multiplier moves ~lr per step, and at 300 the robust
-    # inputs stopped near 0.88, short of their target, where a fixed head set still matches routing.
+    # weighs every task alike. Fixed head sets keep dense accuracy up to Ω ≈ 0.6–0.7 here, so routing
+    # can only win with sensitive inputs near 0.7 and robust ones near 1. The routers start at
+    # log α = −1.5 (Ω ≈ 0.82), between the two targets, so the categories' multipliers pull apart
+    # from the first step; the consistency term keeps the inputs of one task on one head set. 600
+    # steps: with Adam a multiplier moves ~lr per step, and at 300 the robust inputs stopped short.
     # The static gates (one logit per head; Adam moves it ~lr per step) get DuoAttention's gate lr 2e-2.
     "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 6144, 8192),
                     device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=600,
-                    router_lr=1e-3, clip=5.0, logit_penalty=0.01, loss="balanced", router_norm=True,
-                    targets=(0.5, 0.95), static_steps=150, static_lr=2e-2, lambda_lr=4e-2, eval_per_task=64,
-                    eval_batch=8, calib_per_task=32, curve_points=6),
+                    router_lr=1e-3, clip=5.0, logit_penalty=0.01, router_init=-1.5, consistency=1.0,
+                    loss="balanced", router_norm=True, targets=(0.7, 0.95), static_steps=150, static_lr=2e-2,
+                    lambda_lr=4e-2, eval_per_task=64, eval_batch=8, calib_per_task=32, curve_points=6),
 }
 # --smoke: the tiny preset cut down to a quick look (the numbers mean little).
 SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
@@ -137,9 +138,14 @@ def build_parser():
     g.add_argument("--logit-penalty", type=float,
                    help="μ of a μ·mean(log α²) term for the routers (default: gpu, smollm2 0.01, tiny 0): keeps "
                         "their logits where the hard-concrete gate still passes gradient")
+    g.add_argument("--router-init", type=float,
+                   help="the routers' log α at the start (default: smollm2 −1.5, i.e. Ω ≈ 0.82; others 0, Ω ≈ 0.5)")
+    g.add_argument("--consistency", type=float,
+                   help="μ_c of a term μ_c·Σ_heads (P(FULL) − its task's batch mean)² per input (default: smollm2 1, "
+                        "others 0): the inputs of one task share a head set")
     g.add_argument("--targets", help="Ω_MSR targets 'sensitive,robust'; sensitive may be 'auto': the largest Ω at "
                                      "which the static frontier keeps 95 %% of dense accuracy on calibration prompts "
-                                     "(default: smollm2 0.5,0.95; gpu 0.7,0.95; tiny 0.7,1.0)")
+                                     "(default: smollm2 0.7,0.95; gpu 0.7,0.95; tiny 0.7,1.0)")
     g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
                    help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
     g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
@@ -177,7 +183,8 @@ def settings_from(args):
             P[key] = getattr(args, key)
     P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
     P["data_workers"] = args.data_workers
-    P["logit_penalty"] = args.logit_penalty if args.logit_penalty is not None else P.get("logit_penalty", 0.0)
+    for key in ("logit_penalty", "router_init", "consistency"):
+        P[key] = getattr(args, key) if getattr(args, key) is not None else P.get(key, 0.0)
     if args.seq_len is not None and "eval_seq_lens" in P:
         P["eval_seq_lens"] = (args.seq_len, 2 * args.seq_len)
     if P["curve_points"] < 2:
@@ -188,8 +195,11 @@ def settings_from(args):
     if P["eval_per_task"] > P["eval_batch"] and P["eval_per_task"] % P["eval_batch"]:  # whole evaluation batches
         fail(f"--eval-per-task {P['eval_per_task']} is not a whole number of evaluation batches of "
              f"{P['eval_batch']}: give at most {P['eval_batch']} or a multiple of it")
-    if not (math.isfinite(P["logit_penalty"]) and P["logit_penalty"] >= 0):
-        fail(f"--logit-penalty must be a finite number >= 0, got {P['logit_penalty']}")
+    for key in ("logit_penalty", "consistency"):
+        if not (math.isfinite(P[key]) and P[key] >= 0):
+            fail(f"--{key.replace('_', '-')} must be a finite number >= 0, got {P[key]}")
+    if not math.isfinite(P["router_init"]):
+        fail(f"--router-init must be a finite number, got {P['router_init']}")
     if args.data_workers is not None and args.data_workers < 0:
         fail(f"--data-workers must be >= 0, got {args.data_workers}")
     for key in ("router_lr", "static_lr", "lambda_lr"):
@@ -474,7 +484,8 @@ def router_settings(run, model, targets):
     return dict(config=asdict(model.cfg), seed=args.seed, steps=P["steps"], batch_size=P["batch_size"],
                 router_lr=P["router_lr"], static_steps=P["static_steps"], static_lr=P["static_lr"],
                 lambda_lr=P["lambda_lr"], targets=list(targets), gate=args.gate, abs_lagrangian=args.abs_lagrangian,
-                logit_penalty=P["logit_penalty"], clip=P.get("clip"), loss=P.get("loss", "tokens"),
+                logit_penalty=P["logit_penalty"], router_init=P["router_init"], consistency=P["consistency"],
+                clip=P.get("clip"), loss=P.get("loss", "tokens"),
                 router_norm=P.get("router_norm", False), haystack=args.haystack if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
                 backbone_sha256=weights_sha256(model.state_dict()))
@@ -563,6 +574,9 @@ def gate_loss(run, model, step_model, lagrangian, b, static, step):
     loss = lm + reg
     if P["logit_penalty"] and not static:  # μ · mean log α² over the global batch: keeps the gates learning
         loss = loss + P["logit_penalty"] * log_alpha.pow(2).sum() / (B * cfg.n_layers * cfg.n_kv_heads)
+    if P["consistency"] and not static:  # over this shard's inputs of a task (the whole batch on one GPU)
+        loss = loss + P["consistency"] * router_lib.consistency_penalty(
+            log_alpha, b["task_ids"], len(run.suite.tasks)).sum() / B
     return (loss, lm, reg), info, log_alpha.detach()
 
 
@@ -585,7 +599,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     """Train the routers (static=False) or one gate per KV head (static=True) on the frozen backbone.
     targets: one Ω_MSR target per task. Returns (per-step log, gate parameters); the gates stay in model."""
     P, cfg = run.P, model.cfg
-    params = model.attach_routers(static=static)
+    params = model.attach_routers(static=static, init_logit=P["router_init"])
     if not static and P.get("router_norm"):
         fit_router_inputs(run, model)
     steps = P["static_steps" if static else "steps"]

@@ -164,6 +164,8 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     (["--static-lr", "0"], "--static-lr must be a finite number > 0, got 0.0"),
     (["--static-steps", "0"], "--static-steps must be >= 1"),
     (["--logit-penalty", "-0.1"], "--logit-penalty must be a finite number >= 0, got -0.1"),
+    (["--consistency", "-1"], "--consistency must be a finite number >= 0, got -1.0"),
+    (["--router-init", "nan"], "--router-init must be a finite number, got nan"),
     (["--data-workers", "-1"], "--data-workers must be >= 0, got -1"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
     (["--out", "README.md"], "is a file, not a folder"),

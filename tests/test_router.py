@@ -314,6 +314,16 @@ def test_router_init_is_undecided_but_trainable(restore_rng):
     assert first is not None and first.abs().max() > 0, "no gradient reaches the router's first layer at init"
 
 
+@pytest.mark.parametrize("init", [-1.5, 2.0])
+def test_router_init_logit_sets_the_starting_decisions(init, restore_rng):
+    torch.manual_seed(0)
+    la = AttentionRouter(16, pool_tokens=4, init_logit=init)(torch.randn(8, 4, 32, 16))
+    assert (la - init).abs().max() < 0.1, f"log α {la.min().item()}..{la.max().item()}, want ≈ {init}"
+    for bad in (float("nan"), float("inf"), "0", True):
+        with pytest.raises(ValueError, match="init_logit must be a finite number"):
+            AttentionRouter(16, init_logit=bad)
+
+
 def test_router_computes_in_float32_for_bf16_keys(restore_rng):
     torch.manual_seed(0)
     r = AttentionRouter(8, pool_tokens=3)
@@ -615,3 +625,26 @@ def test_balanced_answer_loss_weighs_every_task_alike():
     assert abs(got.item() - want.item()) < 1e-5
     shards = sum(balanced_answer_loss(logits[r::2], targets[r::2], task_ids[r::2], counts) for r in range(2))
     assert abs(shards.item() - want.item()) < 1e-5
+
+
+@FAST
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 3), st.integers(1, 4), st.integers(0, 2 ** 16))
+def test_consistency_penalty_is_the_spread_of_each_task(L, B, Hkv, T, seed):
+    """Per input Σ over layers and heads of (σ(log α) − its task's batch mean)², checked by a loop in
+    float64; 0 when every input of a task routes alike, and the gradient pulls towards the task's mean."""
+    from router import consistency_penalty
+    g = torch.Generator().manual_seed(seed)
+    la = (3 * torch.randn(L, B, Hkv, generator=g)).requires_grad_()
+    tid = torch.randint(0, T, (B,), generator=g)
+    got = consistency_penalty(la, tid, T)
+    p = torch.sigmoid(la.detach().double())
+    for b in range(B):
+        mean = p[:, tid == tid[b]].mean(1)                            # (L, Hkv)
+        assert abs(got[b].item() - (p[:, b] - mean).pow(2).sum().item()) < 1e-5
+    same = la.detach()[:, :1].expand(L, B, Hkv)                       # every input routed like the first
+    assert consistency_penalty(same, tid, T).abs().max() < 1e-10     # the mean of equal numbers, rounded
+    got.sum().backward()
+    step = p - 1e-3 * la.grad.double() * (p * (1 - p))                # a small descent step in P(FULL) terms
+    before = sum(((p[:, tid == t] - p[:, tid == t].mean(1, keepdim=True)) ** 2).sum() for t in tid.unique())
+    after = sum(((step[:, tid == t] - step[:, tid == t].mean(1, keepdim=True)) ** 2).sum() for t in tid.unique())
+    assert after <= before + 1e-12
