@@ -418,13 +418,13 @@ class Transformer(nn.Module):
 
     def attach_routers(self, static=False, init_logit=0.0):
         """Give every layer an AttentionRouter (METHOD.md §4), float32, on the model's device, and
-        return their parameters; init_logit: the routers' log α at the start. static=True gives a
+        return their parameters; init_logit: their log α at the start. static=True gives a
         StaticGate instead: one learned log α per KV head, the same for every input (the
-        DuoAttention / PruLong baseline, trained the same way)."""
+        DuoAttention / PruLong baseline, trained the same way from the same start)."""
         c = self.cfg
         params = []
         for layer in self.layers:
-            r = router_lib.StaticGate(c.n_kv_heads) if static else \
+            r = router_lib.StaticGate(c.n_kv_heads, init_logit) if static else \
                 router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens, c.pool_skip, init_logit)
             layer.self_attn.router = r.to(self.lm_head.weight.device)
             params += list(r.parameters())

@@ -286,9 +286,9 @@ class StaticGate(nn.Module):
     for every input. It has AttentionRouter's interface, so it trains through the same gate,
     Lagrangian and loop; only its output ignores the keys."""
 
-    def __init__(self, n_kv_heads):
+    def __init__(self, n_kv_heads, init_logit=0.0):
         super().__init__()
-        self.log_alpha = nn.Parameter(torch.zeros(n_kv_heads))  # P(FULL) = ½ at the start, like the router
+        self.log_alpha = nn.Parameter(torch.full((n_kv_heads,), float(init_logit)))  # the routers' start
 
     def forward(self, k, prompt_lengths=None):
         return self.log_alpha.float().expand(k.shape[0], -1)     # (B, Hkv)
