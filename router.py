@@ -236,12 +236,13 @@ class AttentionRouter(nn.Module):
         self.router_mlp = nn.Sequential(nn.Linear(D, hidden), nn.SiLU(), nn.Linear(hidden, D), nn.SiLU(),
                                         nn.Linear(D, 1))
         # Initial decisions: log α ≈ init_logit for every head and input; the default 0 gives
-        # P(FULL) ≈ ½ — neither all-full nor all-sparse by accident. A zero last layer would give exactly that, but then the gradient
-        # into every earlier layer (∂log α/∂h = W_last) is exactly zero, and AdamW turns a zero
-        # gradient into a zero step, so for the first steps only the last layer would learn. We
-        # shrink PyTorch's default init of the last layer by 100 instead: log α starts within a
-        # few hundredths of init_logit, and Adam's per-parameter normalisation makes the small (but
-        # non-zero) gradients to earlier layers move them at full speed from step one.
+        # P(FULL) ≈ ½ — neither all-full nor all-sparse by accident. A zero last layer (weights 0,
+        # bias init_logit) would give exactly that, but then the gradient into every earlier layer
+        # (∂log α/∂h = W_last) is exactly zero, and AdamW turns a zero gradient into a zero step,
+        # so for the first steps only the last layer would learn. We shrink PyTorch's default init
+        # of the last layer's weights by 100 instead: log α starts within a few hundredths of
+        # init_logit, and Adam's per-parameter normalisation makes the small (but non-zero)
+        # gradients to earlier layers move them at full speed from step one.
         last = self.router_mlp[-1]
         with torch.no_grad():
             last.weight.mul_(0.01)

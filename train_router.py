@@ -558,7 +558,7 @@ def resume_from(run, path, settings, static, steps, state):
 
 
 def gate_loss(run, model, step_model, lagrangian, b, static, step):
-    """One step's loss (answer loss + Lagrangian [+ μ·mean log α²]) and the model's info.
+    """One step's loss (answer loss + Lagrangian [+ μ·mean log α²] [+ consistency]) and the model's info.
     step_model: the model, or its DistributedDataParallel wrapper."""
     P, cfg, B = run.P, model.cfg, run.P["batch_size"]
     noise = torch.rand(cfg.n_layers, B, cfg.n_kv_heads, generator=noise_generator(run.args.seed, static, step))
