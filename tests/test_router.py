@@ -322,6 +322,8 @@ def test_router_init_logit_sets_the_starting_decisions(init, restore_rng):
     for bad in (float("nan"), float("inf"), "0", True):
         with pytest.raises(ValueError, match="init_logit must be a finite number"):
             AttentionRouter(16, init_logit=bad)
+    static = router.StaticGate(3, init_logit=init)    # the trained static baseline starts where the routers do
+    assert torch.equal(static(torch.randn(2, 3, 5, 16)), torch.full((2, 3), float(init)))
 
 
 def test_router_computes_in_float32_for_bf16_keys(restore_rng):
