@@ -85,7 +85,7 @@ PRESETS = {
     # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, news prose, routers
     # trained at 4K tokens and evaluated at 4K, 6K and 8K. Clipping 5 and the logit penalty keep the
     # routers' logits where the gate passes gradient; their inputs are standardised, and the loss
-    # weighs every task alike. Fixed head sets keep dense accuracy up to Ω ≈ 0.6–0.7 here, so routing
+    # weighs every task alike. Fixed head sets keep dense accuracy up to Ω ≈ 0.6 here, so routing
     # can only win with sensitive inputs near 0.7 and robust ones near 1. The routers start at
     # log α = −1.5 (Ω ≈ 0.82), between the two targets, so the categories' multipliers pull apart
     # from the first step; the consistency term keeps the inputs of one task on one head set. 600
