@@ -11,7 +11,8 @@ the method per block of code:
     1. the layer's router reads the prompt's pre-RoPE keys → log α (B, Hkv)         router.py
     2. a gate turns log α into z per (sample, KV head); z = 1 keeps the head FULL     router.py
          model.train(): hard-concrete sample, forward exactly 0/1, straight-through gradient
-         model.eval():  z = 1[log α > 0]
+         model.eval():  z = 1[log α > 0], or (Config.deploy = "count") the k lowest log α SPARSE,
+                        k what the training draws would have made sparse on average
     3. attention, every head in its mode                                              kernels.py
          training:  O = z·O_full + (1 − z)·O_sparse   (d O / d z = O_full − O_sparse reaches the router)
          inference: one hybrid call, each (sample, KV head) in its own mode
@@ -51,6 +52,7 @@ HEAD_CONFIGS = {
     "XA-XA": (BLOCK_SPARSE, BLOCK_SPARSE),  # both sides XAttention: the router changes nothing; a baseline
 }
 GATES = ("hard-concrete", "gumbel")
+DEPLOYS = ("threshold", "count")   # evaluation gate: router.deterministic_gate or router.count_gate
 BACKENDS = kernels.BACKENDS  # "auto", "reference", "torch", "triton": see kernels.py, section 1
 
 
@@ -81,6 +83,7 @@ class Config:
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
     pool_skip: int = 0             # leading tokens every prompt shares (a chat system turn): not pooled
     gate: str = "hard-concrete"    # training gate (METHOD.md §5); "gumbel" = the paper's Gumbel-softmax
+    deploy: str = "threshold"      # evaluation gate: FULL iff log α > 0; "count": as many SPARSE heads as training drew
     # Which attention code runs, for prefill, XAttention scoring and decode alike (kernels.BACKENDS):
     # "auto" = the Triton kernels on CUDA where they support the call, PyTorch otherwise; "torch";
     # "triton" (on a CPU: TRITON_INTERPRET=1); "reference" (the naive twins).
@@ -101,6 +104,8 @@ class Config:
             raise ValueError(f"xa_stride {self.xa_stride} does not divide block_size {self.block_size}")
         if self.gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        if self.deploy not in DEPLOYS:
+            raise ValueError(f"deploy must be one of {DEPLOYS}, got {self.deploy!r}")
         kernels.check_backend(self.backend)
 
     @classmethod
@@ -286,11 +291,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k
 
-    def gate(self, log_alpha, u=None):
+    def gate(self, log_alpha, u=None, debt=None):
         """log α (B, Hkv) → z (B, Hkv), 1 = FULL (METHOD.md §5). Training draws a hard 0/1 decision
         whose gradient is the relaxation's (u: its uniform noise, default drawn from torch's RNG);
-        evaluation takes the more likely decision, no RNG."""
+        evaluation takes the more likely decision, or with deploy="count" the layer's share of the
+        sparse heads training drew (debt: the rounding carried over the layers), no RNG."""
         if not self.training:
+            if self.cfg.deploy == "count":
+                return router_lib.count_gate(log_alpha, debt)
             return router_lib.deterministic_gate(log_alpha)
         if self.cfg.gate == "gumbel":
             return router_lib.gumbel_softmax_gate(log_alpha, self.gumbel_tau, u)
@@ -312,11 +320,12 @@ class Attention(nn.Module):
         return cache.attend(self.layer_idx, q[:, :, 0], pos + 1)
 
     def forward(self, x, cos, sin, modes=None, z=None, lengths=None, prompt_lengths=None, gate_noise=None,
-                rows_at=None, cache=None):
+                rows_at=None, cache=None, debt=None):
         """x (B, S, C) → (out (B, S, C), record). modes (B, Hkv) int or z (B, Hkv) in [0, 1] skip the
         router. lengths (B,): real tokens (the rest is padding); prompt_lengths (B,): tokens the router
         may read. rows_at (B,): also record each head's dense attention row there (attention_row).
-        cache: decode one token against it instead (record None). record: this layer's z, kernel
+        cache: decode one token against it instead (record None). debt (B,): the "count" evaluation
+        gate's rounding, carried from layer to layer. record: this layer's z, kernel
         modes, log α, block mask, k/v for a KV cache, and the rows."""
         B, S, _ = x.shape
         q, k, v, k_pre = self.project(x, cos, sin)
@@ -328,7 +337,7 @@ class Attention(nn.Module):
         log_alpha = None
         if modes is None and z is None and self.router is not None:
             log_alpha = self.router(k_pre, prompt_lengths)                                 # (B, Hkv)
-            z = self.gate(log_alpha, gate_noise)                                           # (B, Hkv)
+            z = self.gate(log_alpha, gate_noise, debt)                                     # (B, Hkv)
         if z is not None:
             modes = torch.where(z > 0.5, full_mode, sparse_mode).to(torch.int32)           # (B, Hkv)
         elif modes is None:
@@ -536,12 +545,14 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]   # (S, D)
         x = self.embed_tokens(idx)                                                    # (B, S, C)
         records = []
+        debt = torch.zeros(B, device=idx.device)   # the "count" evaluation gate's rounding (router.count_gate)
         with masks.values_checked():   # the inputs are checked: no host syncs inside the layers
             for i, layer in enumerate(self.layers):
                 x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
                                   z=None if z is None else z[i],
                                   gate_noise=None if gate_noise is None else gate_noise[i],
-                                  lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache)
+                                  lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache,
+                                  debt=debt)
                 records.append(record)
         if routed and torch.stack([r["log_alpha"] for r in records]).isnan().any():  # NaN > 0 is False: taken as sparse
             raise ValueError(f"log α has NaN entries in layers "
@@ -687,9 +698,10 @@ def from_pretrained_hf(directory, **config_overrides):
 
 # Config fields a checkpoint may be loaded under with another value (load_checkpoint's cfg):
 # sink and window are an experiment knob (the same weights under another streaming geometry);
-# max_seq_len only sizes the RoPE table (a position's rotation does not depend on it); backend and
-# gate are run-time choices (which attention code runs, which gate trains the routers).
-FREE_FIELDS = ("sink", "window", "max_seq_len", "backend", "gate")
+# max_seq_len only sizes the RoPE table (a position's rotation does not depend on it); backend,
+# gate and deploy are run-time choices (which attention code runs, which gate trains the routers,
+# which rule turns log α into modes at evaluation).
+FREE_FIELDS = ("sink", "window", "max_seq_len", "backend", "gate", "deploy")
 # What routers learned depends on these, so they must match when the checkpoint holds routers; a
 # dense backbone runs every head FULL whatever they are, so it may be loaded under any of them.
 ROUTER_FIELDS = ("head_config", "block_size", "xa_stride", "xa_threshold", "pool_tokens", "pool_skip",
@@ -751,7 +763,7 @@ def load_checkpoint(path, cfg=None, map_location="cpu"):
     """(model, checkpoint dict) from a save_checkpoint file.
 
     With cfg given, the model is built with cfg, which must agree with the saved config on every
-    field except FREE_FIELDS (sink, window, max_seq_len, backend, gate), and, for a checkpoint
+    field except FREE_FIELDS (sink, window, max_seq_len, backend, gate, deploy), and, for a checkpoint
     without routers, ROUTER_FIELDS; a ValueError names each other difference, saved vs wanted.
     """
     ckpt = read_checkpoint(path, map_location)

@@ -11,7 +11,7 @@ Read top to bottom, this file follows the paper's Section 3 and Appendix F:
 
 Convention (tested): z = 1 means FULL attention (a retrieval head), z = 0 means SPARSE.
 A model's training step mixes O = z·O_full + (1 − z)·O_sparse per KV head; at inference
-z = 1[log α > 0] picks one kernel mode per head.
+z = 1[log α > 0] (or count_gate, by rank) picks one kernel mode per head.
 
 Shape letters: B batch, S sequence length, Hkv KV heads, D head dim, L layers, T tasks,
 P = pool_tokens (tokens pooled at each end of a sample).
@@ -123,6 +123,29 @@ def deterministic_gate(log_alpha):
     """Evaluation gate: z = 1[log α > 0] (the more likely hard decision), no RNG, no gradient."""
     _check_log_alpha(log_alpha)
     return (log_alpha > 0).float()
+
+
+def count_gate(log_alpha, debt):
+    """Evaluation gate that deploys the sparsity training paid for: log α (B, Hkv) of one layer,
+    debt (B,) float32 carried from layer to layer (zeros before the first; updated in place)
+    -> z (B, Hkv), no RNG, no gradient.
+
+    A training draw makes a head SPARSE with probability 1 − σ(log α); the threshold rule makes it
+    SPARSE whenever log α <= 0. The two agree on average only when the logits are spread evenly
+    around 0, and a router's are not (a head at log α = −1 is FULL in 27 % of draws, never at
+    deployment). Here a layer makes its k lowest-log-α heads SPARSE, with k the training draws'
+    expected count Σ(1 − σ(log α)) plus the rounding left over from the layers before, rounded: over
+    all layers the count is the expected one to within half a head, and the ranking is the routers'.
+    """
+    if log_alpha.dim() != 2 or not isinstance(debt, torch.Tensor) or debt.shape != log_alpha.shape[:1]:
+        raise ValueError(f"count_gate takes log α (B, Hkv) and debt (B,), got {tuple(log_alpha.shape)} and "
+                         f"{tuple(debt.shape) if isinstance(debt, torch.Tensor) else type(debt)}")
+    _check_log_alpha(log_alpha)
+    expected = (1 - torch.sigmoid(log_alpha.float())).sum(1)             # (B,)
+    k = (debt + expected).round().clamp(0, log_alpha.shape[1])            # (B,) sparse heads in this layer
+    debt += expected - k                                                  # stays in [−½, ½]
+    rank = log_alpha.argsort(dim=1, stable=True).argsort(dim=1, stable=True)  # (B, Hkv) 0 = lowest log α
+    return (rank >= k[:, None]).float()
 
 
 # --- The paper's alternative: a Gumbel-softmax gate with a temperature schedule ----------------

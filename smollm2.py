@@ -877,7 +877,7 @@ def route_prompt(model, tokenizer, text, max_new_tokens=48):
     Returns dict(full (L, Hkv) bool: heads the routers keep FULL, omega_msr, omega_esr, answer)."""
     device = model.lm_head.weight.device
     ids = torch.tensor([tokenizer.chat_ids(text)], device=device)  # (1, S): the text's control tokens stay text
-    model.eval()  # deterministic routing: z = 1 (FULL) where log α > 0
+    model.eval()  # deterministic routing, by the model's Config.deploy rule
     seq, info = model.generate(ids, max_new_tokens)
     full = torch.stack([z[0] for z in info["z"]]) > 0.5                        # (L, Hkv)
     return dict(full=full.cpu(), omega_msr=float(info["omega_msr"][0]), omega_esr=float(info["omega_esr"][0]),
@@ -961,7 +961,7 @@ if __name__ == "__main__":
         fail(e)
     say(f"loading {path} (Q4_1 → float32, 135M parameters) ...")
     model, tok = from_gguf(path, **{k: saved[k] for k in ("head_config", "sink", "window", "pool_tokens",
-                                                          "router_hidden_mult") if k in saved})
+                                                          "router_hidden_mult", "deploy") if k in saved})
     model.to(device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     if ckpt:
         load_routers(model, ckpt)

@@ -93,7 +93,7 @@ PRESETS = {
     # The static gates (one logit per head; Adam moves it ~lr per step) get DuoAttention's gate lr 2e-2.
     "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 6144, 8192),
                     device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=600,
-                    router_lr=1e-3, clip=5.0, logit_penalty=0.01, router_init=-1.5, consistency=1.0,
+                    router_lr=1e-3, clip=5.0, logit_penalty=0.01, router_init=-1.5, consistency=1.0, deploy="count",
                     loss="balanced", router_norm=True, targets=(0.7, 0.95), static_steps=150, static_lr=2e-2,
                     lambda_lr=4e-2, eval_per_task=64, eval_batch=8, calib_per_task=32, curve_points=6),
 }
@@ -148,6 +148,9 @@ def build_parser():
                                      "(default: smollm2 0.7,0.95; gpu 0.7,0.95; tiny 0.7,1.0)")
     g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
                    help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
+    g.add_argument("--deploy", choices=list(elastic_attention.DEPLOYS),
+                   help="evaluation gate: threshold (FULL iff log α > 0; default: tiny, gpu) or count (each input "
+                        "gets the number of SPARSE heads its training draws would have, by rank; default: smollm2)")
     g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
     g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 5)")
     g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
@@ -183,6 +186,7 @@ def settings_from(args):
             P[key] = getattr(args, key)
     P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
     P["data_workers"] = args.data_workers
+    P["deploy"] = args.deploy or P.get("deploy", "threshold")
     for key in ("logit_penalty", "router_init", "consistency"):
         P[key] = getattr(args, key) if getattr(args, key) is not None else P.get(key, 0.0)
     if args.seq_len is not None and "eval_seq_lens" in P:
@@ -365,7 +369,7 @@ def load_suite(P, args, rank, world):
     real-text suite (the model comes with it)."""
     if P["suite"] == "synthetic":
         cfg = elastic_attention.Config.shape(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
-                                              gate=args.gate, backend=P["backend"])
+                                              gate=args.gate, deploy=P["deploy"], backend=P["backend"])
         return tasks.suite(cfg.window, cfg.sink, cfg.n_layers, P["seq_len"]), None, cfg
     import smollm2
     if args.gguf:
@@ -376,8 +380,8 @@ def load_suite(P, args, rank, world):
         if world > 1:
             dist.broadcast_object_list(paths)
         path = paths[0]
-    model, tokenizer = smollm2.from_gguf(path, head_config=args.config, gate=args.gate, backend=P["backend"],
-                                         max_seq_len=max(P["eval_seq_lens"]))
+    model, tokenizer = smollm2.from_gguf(path, head_config=args.config, gate=args.gate, deploy=P["deploy"],
+                                         backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]))
     if rank == 0:  # fetch the haystack once here, not in every data worker
         smollm2.load_text("train", args.haystack)
     cfg = model.cfg

@@ -157,6 +157,7 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     (["--targets", "0.7"], "--targets must be two numbers"),
     (["--preset", "huge"], "invalid choice: 'huge'"),
     (["--gate", "coin"], "invalid choice: 'coin'"),
+    (["--deploy", "top-k"], "invalid choice: 'top-k'"),
     (["--backbone", "no/such/file.pt"], "not found"),
     (["--resume", "no/such/router.pt"], "not found"),
     (["--router-lr", "nan"], "--router-lr must be a finite number > 0, got nan"),
@@ -186,6 +187,15 @@ def test_bad_arguments_fail_before_training(args, message, tmp_path):
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, deploy", [([], "threshold"), (["--deploy", "count"], "count")])
+def test_deploy_rule_reaches_the_model_config(argv, deploy):
+    import train_router
+    args = train_router.build_parser().parse_args(argv)
+    P, _ = train_router.settings_from(args)
+    _, _, cfg = train_router.load_suite(P, args, 0, 1)
+    assert P["deploy"] == cfg.deploy == deploy
 
 
 def test_resume_refuses_other_settings(quick_run, tmp_path):

@@ -220,6 +220,24 @@ def test_routers_train_mix_and_eval_modes():
     torch.testing.assert_close(logits, again, rtol=0, atol=0)
 
 
+def test_count_deployment_gives_each_input_its_expected_sparsity():
+    """Config.deploy = "count": an input's Ω_MSR at evaluation is its training gates' expected Ω,
+    1 − mean σ(log α), to within half a head, and the hybrid run is the one of those modes."""
+    cfg = tiny(deploy="count")
+    model, idx = model_and_tokens(cfg, 4, 21)
+    model.attach_routers(init_logit=-0.7)       # about a third of the heads FULL in training draws
+    model.double().eval()
+    logits, info = model(idx)
+    expected = 1 - torch.sigmoid(torch.stack(info["log_alpha"])).mean((0, 2))     # (B,)
+    heads = cfg.n_layers * cfg.n_kv_heads
+    assert ((info["omega_msr"] - expected).abs() <= 0.5 / heads + 1e-6).all()
+    assert not torch.equal(info["omega_msr"], torch.ones(4)), "init −0.7 must leave some heads FULL"
+    again, _ = model(idx, modes=torch.stack(info["modes"]))
+    torch.testing.assert_close(logits, again, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="deploy"):
+        tiny(deploy="top-k")
+
+
 # -----------------------------------------------------------------------------
 # Hugging Face interop (the parity test against transformers itself is tests/test_hf_parity.py).
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import router
-from router import (AttentionRouter, SparsityLagrangian, boundary_pool, build_optimizer,
+from router import (AttentionRouter, SparsityLagrangian, boundary_pool, build_optimizer, count_gate,
                     deterministic_gate, freeze_backbone, gumbel_softmax_gate, hard_concrete_gate,
                     hard_concrete_sample, omega_msr, prob_full, prob_gradient, prob_nonzero, prob_one,
                     prob_zero)
@@ -148,8 +148,40 @@ def test_gumbel_gate_is_two_logit_softmax_and_has_ste_gradient():
         gumbel_softmax_gate(logit, tau=0.0)
 
 
+@FAST
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(1, 4), st.floats(0.1, 30), st.integers(0, 2 ** 16))
+def test_count_gate_deploys_the_expected_number_of_sparse_heads_by_rank(L, B, Hkv, scale, seed):
+    """Layer by layer with the carried rounding: each layer makes its lowest-log-α heads SPARSE, and
+    over the layers an input gets Σ(1 − σ(log α)) SPARSE heads to within half a head."""
+    g = torch.Generator().manual_seed(seed)
+    la = torch.randn(L, B, Hkv, generator=g) * scale
+    la[0, 0] = 0.0   # ties: the stable ranking still gives a whole count
+    debt = torch.zeros(B)
+    before = torch.random.get_rng_state()
+    z = torch.stack([count_gate(la[i], debt) for i in range(L)])            # (L, B, Hkv)
+    assert torch.equal(torch.random.get_rng_state(), before), "count_gate consumed RNG"
+    assert set(z.unique().tolist()) <= {0.0, 1.0}
+    expected = (1 - torch.sigmoid(la)).sum((0, 2))                          # (B,)
+    deployed = (1 - z).sum((0, 2))                                          # (B,)
+    assert ((deployed - expected).abs() <= 0.5 + 1e-4).all(), (deployed, expected)
+    assert (debt.abs() <= 0.5 + 1e-4).all() and torch.allclose(debt, expected - deployed, atol=1e-4)
+    for i in range(L):
+        for b in range(B):
+            sparse, full = la[i, b][z[i, b] == 0], la[i, b][z[i, b] == 1]
+            if len(sparse) and len(full):
+                assert sparse.max() <= full.min(), f"layer {i}: SPARSE {sparse} above FULL {full}"
+
+
+def test_count_gate_matches_threshold_where_the_logits_are_far_from_zero():
+    la = torch.tensor([[30.0, -30.0, -25.0], [-30.0, 40.0, 30.0]])          # σ is 0 or 1 to 1e-13
+    assert torch.equal(count_gate(la, torch.zeros(2)), deterministic_gate(la))
+    with pytest.raises(ValueError, match="debt"):
+        count_gate(la, torch.zeros(3))
+
+
 @pytest.mark.parametrize("gate", [deterministic_gate, hard_concrete_gate,
-                                  lambda la: gumbel_softmax_gate(la, tau=1.0)])
+                                  lambda la: gumbel_softmax_gate(la, tau=1.0),
+                                  lambda la: count_gate(la.view(-1, 2), torch.zeros(la.numel() // 2)).view(la.shape)])
 def test_gates_refuse_nan_log_alpha(gate):
     """NaN > 0 is False: without the check the evaluation gate would call a NaN router SPARSE and
     the training gates would hand NaN on as z."""
