@@ -15,9 +15,10 @@ main() is the outline, one stage after the other:
                   sensitive target, the routers' input statistics
     3. routers    freeze the backbone; train one router per layer + λ (hard-concrete gates, training
                   mix, per-task targets); the routers read only the prompt, never the answer
-    4. evaluate   held-out samples per task: dense, Elastic, fixed head sets at Elastic's mean Ω_MSR
-                  (retrieval score, the routers' own set), the per-category oracle, the swap control,
-                  all-sparse, the static frontiers; again at the longest length the dense model holds
+    4. evaluate   held-out samples per task: dense, Elastic (FULL where log α > 0, or --deploy count),
+                  fixed head sets at Elastic's mean Ω_MSR (retrieval score, the routers' own set), the
+                  per-category oracle, the swap control, all-sparse, the static frontiers; again at the
+                  longest length the dense model holds
     5. static     the trained static baseline: one learned gate per KV head (DuoAttention /
                   PruLong), same gate and loop, target = Elastic's mean Ω_MSR, deployed by rank
     6. report     runs/<name>/: results.json, model.pt (backbone + routers), router.pt (to resume),
