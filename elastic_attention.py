@@ -545,7 +545,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]   # (S, D)
         x = self.embed_tokens(idx)                                                    # (B, S, C)
         records = []
-        debt = torch.zeros(B, device=idx.device)   # the "count" evaluation gate's rounding (router.count_gate)
+        debt = torch.zeros(B, device=idx.device) if routed else None   # the "count" gate's rounding (router.count_gate)
         with masks.values_checked():   # the inputs are checked: no host syncs inside the layers
             for i, layer in enumerate(self.layers):
                 x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
