@@ -141,7 +141,7 @@ def count_gate(log_alpha, debt):
         raise ValueError(f"count_gate takes log α (B, Hkv) and debt (B,), got {tuple(log_alpha.shape)} and "
                          f"{tuple(debt.shape) if isinstance(debt, torch.Tensor) else type(debt)}")
     _check_log_alpha(log_alpha)
-    expected = (1 - torch.sigmoid(log_alpha.float())).sum(1)             # (B,)
+    expected = (1 - prob_full(log_alpha.float())).sum(1)                 # (B,)
     k = (debt + expected).round().clamp(0, log_alpha.shape[1])            # (B,) sparse heads in this layer
     debt += expected - k                                                  # stays in [−½, ½]
     rank = log_alpha.argsort(dim=1, stable=True).argsort(dim=1, stable=True)  # (B, Hkv) 0 = lowest log α
@@ -412,7 +412,7 @@ def consistency_penalty(log_alpha, task_ids, num_tasks):
     The routers still see only the prompt; the task label enters training only, as it does through
     the per-task targets. What routing learns from one input that it cannot learn from its task is
     noise in which heads stay FULL (METHOD.md §6)."""
-    p = torch.sigmoid(log_alpha.float())                                       # (L, B, Hkv) P(FULL)
+    p = prob_full(log_alpha.float())                                           # (L, B, Hkv)
     onehot = F.one_hot(task_ids, num_tasks).to(p.dtype)                        # (B, T)
     mean = torch.einsum("lbh,bt->lth", p, onehot) / onehot.sum(0).clamp(min=1)[None, :, None]  # (L, T, Hkv)
     return (p - mean[:, task_ids]).pow(2).sum(dim=(0, 2))                      # (B,)
