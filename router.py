@@ -105,6 +105,14 @@ def prob_full(log_alpha):
     return torch.sigmoid(log_alpha)
 
 
+def log_alpha_for_omega(omega):
+    """The log α whose gates are SPARSE with probability Ω: σ(log α) = 1 − Ω (Ω clipped to [0.01, 0.99])."""
+    if not 0 <= omega <= 1:  # also NaN
+        raise ValueError(f"Ω must be in [0, 1], got {omega}")
+    omega = min(max(omega, 0.01), 0.99)
+    return math.log((1 - omega) / omega)
+
+
 def hard_concrete_gate(log_alpha, u=None, generator=None):
     """Training gate: forward value exactly 0. or 1. (1 = FULL), gradient that of z̃ (straight-through).
 

@@ -354,8 +354,22 @@ def test_router_init_logit_sets_the_starting_decisions(init, restore_rng):
     for bad in (float("nan"), float("inf"), "0", True):
         with pytest.raises(ValueError, match="init_logit must be a finite number"):
             AttentionRouter(16, init_logit=bad)
-    static = router.StaticGate(3, init_logit=init)    # the trained static baseline starts where the routers do
+    static = router.StaticGate(3, init_logit=init)    # one log α per head, whatever the keys
     assert torch.equal(static(torch.randn(2, 3, 5, 16)), torch.full((2, 3), float(init)))
+
+
+@given(st.floats(0, 1))
+def test_log_alpha_for_omega_starts_gates_at_that_sparsity(omega):
+    """The trained static gates start here: SPARSE with probability Ω (clipped to [0.01, 0.99])."""
+    la = router.log_alpha_for_omega(omega)
+    p_sparse = 1 - router.prob_full(torch.tensor(la, dtype=torch.float64)).item()
+    assert math.isfinite(la) and abs(p_sparse - min(max(omega, 0.01), 0.99)) < 1e-9, (omega, la, p_sparse)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.1, 1.5])
+def test_log_alpha_for_omega_names_a_bad_omega(bad):
+    with pytest.raises(ValueError, match=f"Ω must be in \\[0, 1\\], got {bad}"):
+        router.log_alpha_for_omega(bad)
 
 
 def test_router_computes_in_float32_for_bf16_keys(restore_rng):
