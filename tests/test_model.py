@@ -231,7 +231,7 @@ def test_count_deployment_gives_each_input_its_expected_sparsity():
     expected = 1 - torch.sigmoid(torch.stack(info["log_alpha"])).mean((0, 2))     # (B,)
     heads = cfg.n_layers * cfg.n_kv_heads
     assert ((info["omega_msr"] - expected).abs() <= 0.5 / heads + 1e-6).all()
-    assert not torch.equal(info["omega_msr"], torch.ones(4)), "init −0.7 must leave some heads FULL"
+    assert (info["omega_msr"] < 1).all(), "init −0.7 must leave some heads FULL"
     again, _ = model(idx, modes=torch.stack(info["modes"]))
     torch.testing.assert_close(logits, again, rtol=0, atol=0)
     with pytest.raises(ValueError, match="deploy"):
