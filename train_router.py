@@ -87,13 +87,13 @@ PRESETS = {
     # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, news prose, routers
     # trained at 4K tokens and evaluated at 4K, 6K and 8K. Clipping 5 and the logit penalty keep the
     # routers' logits where the gate passes gradient (at μ 0.03 a quarter of the draws at the end; at
-    # 0.01, 17-18 %); their inputs are standardised, and the loss weighs every task alike. The sensitive target 0.6 is the last point of the measured static
-    # frontier where fixed head sets keep (nearly) dense accuracy; robust inputs go to 0.95. The
-    # routers start at log α = −1.5 (Ω ≈ 0.82), between the two targets, so the categories'
-    # multipliers pull apart from the first step; the consistency term keeps the inputs of one task
-    # on one head set. 600 steps: with Adam a multiplier moves ~lr per step, and at 300 the robust
-    # inputs stopped short. The static gates (one logit per head; Adam moves it ~lr per step) get
-    # DuoAttention's gate lr 2e-2.
+    # 0.01, 17-18 %); their inputs are standardised, and the loss weighs every task alike. The
+    # sensitive target 0.6 is the last point of the measured static frontier where fixed head sets
+    # keep (nearly) dense accuracy; robust inputs go to 0.95. The routers start at log α = −1.5
+    # (Ω ≈ 0.82), between the two targets, so the categories' multipliers pull apart from the first
+    # step; the consistency term keeps the inputs of one task on one head set. 600 steps: with Adam a
+    # multiplier moves ~lr per step, and at 300 the robust inputs stopped short. The static gates (one
+    # logit per head; Adam moves it ~lr per step) get DuoAttention's gate lr 2e-2.
     "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 6144, 8192),
                     device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=600,
                     router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5, consistency=3.0, deploy="count",
@@ -142,10 +142,11 @@ def build_parser():
                    help="μ of a μ·mean(log α²) term for the routers (default: gpu, smollm2 0.03, tiny 0): keeps "
                         "their logits where the hard-concrete gate still passes gradient")
     g.add_argument("--router-init", type=float,
-                   help="the routers' log α at the start (default: gpu, smollm2 −1.5, i.e. Ω ≈ 0.82; tiny 0, Ω ≈ 0.5)")
+                   help="the routers' log α at the start (default: gpu, smollm2 −1.5, i.e. Ω ≈ 0.82; "
+                        "tiny 0, Ω ≈ 0.5)")
     g.add_argument("--consistency", type=float,
-                   help="μ_c of a term μ_c·Σ_heads (P(FULL) − its task's batch mean)² per input (default: gpu, smollm2 3, "
-                        "tiny 0): the inputs of one task share a head set")
+                   help="μ_c of a term μ_c·Σ_heads (P(FULL) − its task's batch mean)² per input (default: gpu, "
+                        "smollm2 3, tiny 0): the inputs of one task share a head set")
     g.add_argument("--targets", help="Ω_MSR targets 'sensitive,robust'; sensitive may be 'auto': the largest Ω at "
                                      "which the static frontier keeps 95 %% of dense accuracy on calibration prompts "
                                      "(default: smollm2 0.6,0.95; gpu 0.7,0.95; tiny 0.7,1.0)")
@@ -153,7 +154,8 @@ def build_parser():
                    help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
     g.add_argument("--deploy", choices=list(elastic_attention.DEPLOYS),
                    help="evaluation gate: threshold (FULL iff log α > 0; default: tiny) or count (each input "
-                        "gets the number of SPARSE heads its training draws would have, by rank; default: gpu, smollm2)")
+                        "gets the number of SPARSE heads its training draws would have, by rank; "
+                        "default: gpu, smollm2)")
     g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
     g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 5)")
     g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
