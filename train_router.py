@@ -82,9 +82,8 @@ PRESETS = {
     "gpu": dict(suite="synthetic", model="gpu", seq_len=4096, device="cuda", backend="auto", backbone=None,
                 backbone_stages=[(256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)],
                 batch_size=16, steps=600, router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5,
-                consistency=3.0, head_bias_lr=5e-3, deploy="count", loss="balanced", router_norm=True,
-                targets=(0.7, 0.95), static_steps=150, static_lr=2e-2, lambda_lr=4e-2, eval_per_task=64,
-                eval_batch=16, curve_points=11),
+                consistency=3.0, deploy="count", loss="balanced", router_norm=True, targets=(0.7, 0.95),
+                static_steps=150, static_lr=2e-2, lambda_lr=4e-2, eval_per_task=64, eval_batch=16, curve_points=11),
     # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, news prose, routers
     # trained at 4K tokens and evaluated at 4K, 6K and 8K. Clipping 5 and the logit penalty keep the
     # routers' logits where the gate passes gradient (at μ 0.03 a quarter of the draws at the end; at
@@ -94,14 +93,12 @@ PRESETS = {
     # (Ω ≈ 0.82), between the two targets, so the categories' multipliers pull apart from the first
     # step; the consistency term keeps the inputs of one task on one head set. 600 steps: with Adam a
     # multiplier moves ~lr per step, and at 300 the robust inputs stopped short. The static gates (one
-    # logit per head; Adam moves it ~lr per step) get DuoAttention's gate lr 2e-2. The routers' per-head
-    # offsets get the static gates' step budget: Σ lr over 600 steps at 5e-3 equals theirs over 150.
+    # logit per head; Adam moves it ~lr per step) get DuoAttention's gate lr 2e-2.
     "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 6144, 8192),
                     device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=600,
-                    router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5, consistency=3.0,
-                    head_bias_lr=5e-3, deploy="count", loss="balanced", router_norm=True, targets=(0.6, 0.95),
-                    static_steps=150, static_lr=2e-2, lambda_lr=4e-2, eval_per_task=64, eval_batch=8,
-                    calib_per_task=32, curve_points=6),
+                    router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5, consistency=3.0, deploy="count",
+                    loss="balanced", router_norm=True, targets=(0.6, 0.95), static_steps=150, static_lr=2e-2,
+                    lambda_lr=4e-2, eval_per_task=64, eval_batch=8, calib_per_task=32, curve_points=6),
 }
 # --smoke: the tiny preset cut down to a quick look (the numbers mean little).
 SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
@@ -147,9 +144,6 @@ def build_parser():
     g.add_argument("--router-init", type=float,
                    help="the routers' log α at the start (default: gpu, smollm2 −1.5, i.e. Ω ≈ 0.82; "
                         "tiny 0, Ω ≈ 0.5)")
-    g.add_argument("--head-bias-lr", type=float,
-                   help="learning rate of a learned log α offset per KV head in each router, besides its MLPs; "
-                        "0: none (default: gpu, smollm2 5e-3; tiny 0)")
     g.add_argument("--consistency", type=float,
                    help="μ_c of a term μ_c·Σ_heads (P(FULL) − its task's batch mean)² per input (default: gpu, "
                         "smollm2 3, tiny 0): the inputs of one task share a head set")
@@ -198,7 +192,7 @@ def settings_from(args):
     P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
     P["data_workers"] = args.data_workers
     P["deploy"] = args.deploy or P.get("deploy", "threshold")
-    for key in ("logit_penalty", "router_init", "consistency", "head_bias_lr"):
+    for key in ("logit_penalty", "router_init", "consistency"):
         P[key] = getattr(args, key) if getattr(args, key) is not None else P.get(key, 0.0)
     if args.seq_len is not None and "eval_seq_lens" in P:
         P["eval_seq_lens"] = (args.seq_len, 2 * args.seq_len)
@@ -210,7 +204,7 @@ def settings_from(args):
     if P["eval_per_task"] > P["eval_batch"] and P["eval_per_task"] % P["eval_batch"]:  # whole evaluation batches
         fail(f"--eval-per-task {P['eval_per_task']} is not a whole number of evaluation batches of "
              f"{P['eval_batch']}: give at most {P['eval_batch']} or a multiple of it")
-    for key in ("logit_penalty", "consistency", "head_bias_lr"):
+    for key in ("logit_penalty", "consistency"):
         if not (math.isfinite(P[key]) and P[key] >= 0):
             fail(f"--{key.replace('_', '-')} must be a finite number >= 0, got {P[key]}")
     if not math.isfinite(P["router_init"]):
@@ -380,8 +374,7 @@ def load_suite(P, args, rank, world):
     real-text suite (the model comes with it)."""
     if P["suite"] == "synthetic":
         cfg = elastic_attention.Config.shape(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
-                                              gate=args.gate, deploy=P["deploy"], backend=P["backend"],
-                                              router_head_bias=P["head_bias_lr"] > 0)
+                                              gate=args.gate, deploy=P["deploy"], backend=P["backend"])
         return tasks.suite(cfg.window, cfg.sink, cfg.n_layers, P["seq_len"]), None, cfg
     import smollm2
     if args.gguf:
@@ -393,8 +386,7 @@ def load_suite(P, args, rank, world):
             dist.broadcast_object_list(paths)
         path = paths[0]
     model, tokenizer = smollm2.from_gguf(path, head_config=args.config, gate=args.gate, deploy=P["deploy"],
-                                         backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]),
-                                         router_head_bias=P["head_bias_lr"] > 0)
+                                         backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]))
     if rank == 0:  # fetch the haystack once here, not in every data worker
         smollm2.load_text("train", args.haystack)
     cfg = model.cfg
@@ -502,7 +494,6 @@ def router_settings(run, model, targets):
                 router_lr=P["router_lr"], static_steps=P["static_steps"], static_lr=P["static_lr"],
                 lambda_lr=P["lambda_lr"], targets=list(targets), gate=args.gate, abs_lagrangian=args.abs_lagrangian,
                 logit_penalty=P["logit_penalty"], router_init=P["router_init"], consistency=P["consistency"],
-                head_bias_lr=P["head_bias_lr"],
                 clip=P.get("clip"), loss=P.get("loss", "tokens"),
                 router_norm=P.get("router_norm", False), haystack=args.haystack if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
@@ -629,8 +620,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     lagrangian = router_lib.SparsityLagrangian(len(run.suite.tasks), targets, abs_variant=run.args.abs_lagrangian)
     lagrangian = lagrangian.to(run.device)
     optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, steps, lambda_lr=P["lambda_lr"],
-                                                      router_lr=P["static_lr" if static else "router_lr"],
-                                                      head_bias_lr=P["head_bias_lr"] or None)
+                                                      router_lr=P["static_lr" if static else "router_lr"])
     step_model = torch.nn.parallel.DistributedDataParallel(model) if run.ddp else model
     state = dict(model=model, lagrangian=lagrangian, optimizer=optimizer, scheduler=scheduler)
     start, train_log = resume_from(run, resume, settings, static, steps, state) if resume else (0, [])

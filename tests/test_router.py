@@ -333,33 +333,6 @@ def test_permuting_heads_permutes_log_alpha(Hkv, seed):
     assert err < 1e-6, f"perm {perm.tolist()}: max diff {err}"
 
 
-def test_head_bias_is_a_learned_offset_per_head(restore_rng):
-    """With n_heads, log α = the head-agnostic MLPs' output + one offset per KV head, starting at 0
-    (the same decisions as without it); the offset gets a gradient and its own learning rate."""
-    torch.manual_seed(0)
-    plain = AttentionRouter(8, hidden_mult=2, pool_tokens=4, init_logit=-1.5)
-    torch.manual_seed(0)
-    biased = AttentionRouter(8, hidden_mult=2, pool_tokens=4, init_logit=-1.5, n_heads=3)
-    k = torch.randn(2, 3, 11, 8)
-    assert torch.equal(plain(k), biased(k)), "a zero offset must leave log α as it was"
-    with torch.no_grad():
-        biased.head_bias.copy_(torch.tensor([2.0, -1.0, 0.5]))
-    assert torch.allclose(biased(k), plain(k) + torch.tensor([2.0, -1.0, 0.5]), atol=1e-6)
-    biased(k).sum().backward()
-    assert torch.equal(biased.head_bias.grad, torch.full((3,), 2.0))   # ∂Σlog α/∂offset_h = B
-    opt, _ = build_optimizer(biased.parameters(), SparsityLagrangian(1, [0.5]), 10, router_lr=1e-3,
-                             head_bias_lr=5e-3)
-    groups = {g["name"]: g for g in opt.param_groups}
-    assert groups["head_bias"]["params"] == [biased.head_bias] and groups["head_bias"]["weight_decay"] == 0.0
-    assert groups["head_bias"]["initial_lr"] == 5e-3 and groups["router_bias"]["initial_lr"] == 1e-3
-    assert all(p is not biased.head_bias for p in groups["router_bias"]["params"])
-    with pytest.raises(ValueError, match="offsets for 3 KV heads, k has 2"):
-        biased(torch.randn(2, 2, 11, 8))
-    for bad in (-1, 1.5, "3"):
-        with pytest.raises(ValueError, match="n_heads must be an int >= 0"):
-            AttentionRouter(8, n_heads=bad)
-
-
 def test_router_init_is_undecided_but_trainable(restore_rng):
     torch.manual_seed(0)
     r = AttentionRouter(16, pool_tokens=4)
@@ -521,7 +494,7 @@ def test_one_step_descends_for_routers_and_ascends_for_lambda(gap_sign):
     assert lag.lambda2.item() > lam2, "λ2's gradient (Ω − t)² > 0 must make it grow"
 
 
-@pytest.mark.parametrize("name", ["router_lr", "lambda_lr", "head_bias_lr"])
+@pytest.mark.parametrize("name", ["router_lr", "lambda_lr"])
 @pytest.mark.parametrize("lr", [-1.0, 0.0, float("nan"), float("inf"), "1e-3"])
 def test_build_optimizer_refuses_bad_learning_rates(name, lr):
     r = AttentionRouter(8, pool_tokens=3)
