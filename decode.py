@@ -261,25 +261,35 @@ def decode_attention_reference(q, k, v, start, cap, n_tokens):
 if HAS_TRITON:
     _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: turns the log2-domain LSE back into natural log
 
-    @triton.jit(do_not_specialize=["n_tokens", "keys_per_split", "H_KV", "G"])
+    @triton.jit(do_not_specialize=["n_tokens", "keys_per_split", "n_heads", "H_KV", "G"])
     def _decode_split_kernel(
         Q, K, V, Start, Cap, Opart, Lse,                                   # pointers
-        n_tokens, keys_per_split, H_KV, G, qk_scale,                       # sizes and scalars
+        n_tokens, keys_per_split, n_heads, H_KV, G, qk_scale,              # sizes and scalars
         stride_qb, stride_qh, stride_qd, stride_kr, stride_kd, stride_vr, stride_vd,  # strides
         stride_sb, stride_sh, stride_cb, stride_ch,
         stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        BLOCK_BH: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """One program = the G query heads of one (sample, KV head) against one slice of its live rows."""
-        # -- 1. program id -> (split, sample, KV head) and this split's rows lo … hi-1 ---------------
-        split = tl.program_id(0)
-        bh = tl.program_id(1)
+        # -- 1. program id -> (sample, KV head, split) and this split's rows lo … hi-1 ----------------
+        # The programs are the heads' splits one after another, head by head: a short (STREAMING) head
+        # has few, so no program is spent on a split past its rows. Each program finds its head from
+        # the running count of splits over all B·Hkv heads (n_heads <= BLOCK_BH of them).
+        pid = tl.program_id(0)
+        offs_h = tl.arange(0, BLOCK_BH)
+        caps = tl.load(Cap + (offs_h // H_KV) * stride_cb + (offs_h % H_KV) * stride_ch, mask=offs_h < n_heads,
+                       other=0)
+        used = (tl.minimum(caps, n_tokens) + keys_per_split - 1) // keys_per_split   # splits per head
+        ends = tl.cumsum(used, 0)                                                    # (BLOCK_BH,) inclusive
+        valid = pid < tl.max(ends, 0)                   # the grid may overshoot the total by < n_heads
+        bh = tl.minimum(tl.sum((ends <= pid).to(tl.int32), 0), n_heads - 1)
+        split = pid - tl.sum(tl.where(offs_h == bh, ends - used, 0), 0)
         b = bh // H_KV
         h = bh % H_KV
-        n_live = tl.minimum(tl.load(Cap + b * stride_cb + h * stride_ch), n_tokens)
+        n_live = tl.where(valid, tl.minimum(tl.load(Cap + b * stride_cb + h * stride_ch), n_tokens), 0)
         lo = split * keys_per_split
-        hi = tl.minimum(lo + keys_per_split, n_live)    # hi <= lo: an empty split (a short head)
+        hi = tl.minimum(lo + keys_per_split, n_live)    # hi <= lo only past the last split: no rows
 
         # -- 2. pointers: the G query rows (padded to BLOCK_G >= 16 for tl.dot) and the head's rows ---
         offs_g = tl.arange(0, BLOCK_G)
@@ -313,7 +323,7 @@ if HAS_TRITON:
         # -- 4. store this split's normalised output and its log-sum-exp (log2 units) -----------------
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)         # an empty split stores o = 0, lse = -inf
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        g_ok = offs_g < G
+        g_ok = offs_g < tl.where(valid, G, 0)          # a program past the last split stores nothing
         o_ptrs = Opart + b.to(tl.int64) * stride_ob + h_q[:, None] * stride_oh + split * stride_os \
             + offs_d[None, :] * stride_od
         tl.store(o_ptrs, acc / l_safe[:, None], mask=g_ok[:, None] & d_ok[None, :])
@@ -375,8 +385,8 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=N
     (b, h) reads rows start[b, h] … start[b, h] + min(cap[b, h], n_tokens) - 1. Returns (B, Hq, D) in
     q's dtype; the same numbers as decode_attention_reference.
 
-    Grid: (splits, B·Hkv) programs of keys_per_split rows each (a head with fewer live rows leaves its
-    last splits empty), then B·Hq programs to merge the splits. max_cap (an int >= every cap) and
+    Grid: one program per keys_per_split rows of a head (a head with fewer live rows gets fewer
+    programs), then B·Hq programs to merge each head's splits. max_cap (an int >= every cap) and
     live_rows (an int, Σ min(cap, n_tokens) over the heads: the rows read) size the grid without a
     host sync. keys_per_split defaults to about two programs per SM over the rows the heads really
     hold, within the config's bounds; config = (BLOCK_N, num_warps, num_stages, min and max keys per
@@ -389,34 +399,41 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=N
     interpret = interpreting()
     G = Hq // Hkv
     BLOCK_N, num_warps, num_stages, min_split, max_split = config or _decode_config(interpret)
-    live_max = min(int(cap.max()) if max_cap is None else max_cap, n_tokens)
     if live_rows is not None and (not isinstance(live_rows, int) or live_rows < 1):
         raise ValueError(f"live_rows must be an int >= 1, got {live_rows!r}")
+    if masks.checking_values() or max_cap is None or live_rows is None:   # host syncs; the model skips them
+        true_max, true_rows = int(cap.max()), int(cap.clamp(max=n_tokens).sum())
+        if (max_cap or true_max) < true_max or (live_rows or true_rows) != true_rows:  # the grid would miss rows
+            raise ValueError(f"max_cap {max_cap} and live_rows {live_rows} must be the caps' maximum "
+                             f"{true_max} (or more) and their live rows {true_rows}")
+        max_cap, live_rows = max_cap or true_max, live_rows or true_rows
+    live_max = min(max_cap, n_tokens)
     if keys_per_split is None:
         # Sized by the rows read, not B·Hkv·live_max: at batch 1 with most heads STREAMING, a few FULL
         # heads hold nearly all rows, and splits sized as if every head were that long are too short
         # to fill the pipeline of the programs that do the work.
-        if live_rows is None:
-            live_rows = int(cap.clamp(max=n_tokens).sum())                # one host sync
         n_sm = 1 if interpret else torch.cuda.get_device_properties(q.device).multi_processor_count
         keys_per_split = min(max(min_split, triton.cdiv(live_rows, 2 * n_sm)), max_split)
         keys_per_split = triton.cdiv(keys_per_split, BLOCK_N) * BLOCK_N  # whole tiles
     elif not isinstance(keys_per_split, int) or keys_per_split < 1:
         raise ValueError(f"keys_per_split must be an int >= 1, got {keys_per_split!r}")
     n_splits = triton.cdiv(live_max, keys_per_split)
+    # Σ over heads of ceil(rows / keys_per_split) < ceil(live_rows / keys_per_split) + B·Hkv: a bound
+    # from python ints, so no host sync; the few programs past the true total store nothing.
+    n_programs = min(triton.cdiv(live_rows, keys_per_split) + B * Hkv, n_splits * B * Hkv)
 
     opart = torch.empty(B, Hq, n_splits, D, dtype=torch.float32, device=q.device)  # (B, Hq, splits, D)
     lse = torch.empty(B, Hq, n_splits, dtype=torch.float32, device=q.device)       # (B, Hq, splits)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)                     # (B, Hq, D)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     qk_scale = 1.4426950408889634 / math.sqrt(D)   # softmax scale 1/√D times 1/ln 2: we use exp2
-    _decode_split_kernel[(n_splits, B * Hkv)](
+    _decode_split_kernel[(n_programs,)](
         q, k, v, start, cap, opart, lse,
-        n_tokens, keys_per_split, Hkv, G, qk_scale,
+        n_tokens, keys_per_split, B * Hkv, Hkv, G, qk_scale,
         *q.stride(), *k.stride(), *v.stride(), *start.stride(), *cap.stride(),
         *opart.stride(), *lse.stride(),
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=D,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # true fp32 products for fp32
+        BLOCK_BH=triton.next_power_of_2(B * Hkv), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # true fp32 products for fp32
         num_warps=num_warps, num_stages=num_stages)
     # Merge: most heads' splits fit one BLOCK_S chunk (a loop of dependent loads is latency-bound),
     # and D is cut into 32-wide slices so that a (BLOCK_S, BLOCK_DC) fp32 tile stays in registers.

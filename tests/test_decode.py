@@ -219,6 +219,10 @@ def test_decode_kernel_equals_reference(case):
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE, dtype)
     start, cap = start.view(B, Hkv).to(DEVICE), cap.to(DEVICE)
     out = decode.decode_attention(q, k, v, start, cap, n_tokens, keys_per_split=keys_per_split)
+    with masks.values_checked():   # the grid sized from exact hints, as KVCache gives them: the same launch
+        hinted = decode.decode_attention(q, k, v, start, cap, n_tokens, keys_per_split=keys_per_split,
+                                         max_cap=max(caps), live_rows=sum(min(c, n_tokens) for c in caps))
+    assert torch.equal(out, hinted)
     ref = decode.decode_attention_reference(q.double(), k.double(), v.double(), start, cap, n_tokens)
     err = (out.double() - ref).abs()
     bound = 2 * torch_error(q, k, v, start, cap, n_tokens, ref) + FLOOR[dtype]
@@ -278,6 +282,11 @@ def test_bad_input():
             decode.decode_attention(q, k, k, start, cap, 5, keys_per_split=0)
         with pytest.raises(ValueError, match="live_rows must be an int >= 1, got 12.5"):
             decode.decode_attention(q, k, k, start, cap, 5, live_rows=12.5)
+        live = int(cap.clamp(max=5).sum())   # hints that would leave rows unread are refused
+        with pytest.raises(ValueError, match=f"max_cap 1 and live_rows None must be the caps' maximum {int(cap.max())}"):
+            decode.decode_attention(q, k, k, start, cap, 5, max_cap=1)
+        with pytest.raises(ValueError, match=f"live_rows {live - 1} must be .* their live rows {live}"):
+            decode.decode_attention(q, k, k, start, cap, 5, live_rows=live - 1)
         with pytest.raises(ValueError, match="supports float16, bfloat16 and float32, got torch.float64"):
             decode.decode_attention(q.double(), k.double(), k.double(), start, cap, 5)
     with pytest.raises(ValueError, match="backend must be one of .*, got 'cuda'"):
