@@ -41,11 +41,12 @@ saves exactly f·(1 - (sink + window) / T_max) (nbytes against full_cache_bytes)
 FullKVCache, with the same interface, keeps every token of every head and masks at attention time:
 the reference the compact cache is tested against.
 
-Decode attention (flash-decoding, split-K): one query token per sample. Program (split, b, h) takes
-the G query heads that share KV head h (GQA: they share every K/V tile it loads) against one
-contiguous slice of that head's live rows and writes a partial (o, lse); a second small kernel
-merges the splits of each query head. Splitting the key axis is what fills the GPU when B·Hkv is
-small and the context long.
+Decode attention (flash-decoding, split-K): one query token per sample. Each program takes the G
+query heads that share KV head h of sample b (GQA: they share every K/V tile it loads) against one
+contiguous slice, a split, of that head's live rows, and writes a partial (o, lse); a STREAMING head
+has few splits, a FULL one many, and the grid holds exactly the splits there are. A second small
+kernel merges the splits of each query head. Splitting the key axis is what fills the GPU when
+B·Hkv is small and the context long.
 
 Shape letters: B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, D head dim, R rows of a
 layer's buffer, T tokens so far, BLOCK_N keys per tile, BLOCK_G query rows per tile (G padded).
@@ -321,7 +322,7 @@ if HAS_TRITON:
             m_i = m_ij
 
         # -- 4. store this split's normalised output and its log-sum-exp (log2 units) -----------------
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)         # an empty split stores o = 0, lse = -inf
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)         # 0 only past the last split, which stores nothing
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         g_ok = offs_g < tl.where(valid, G, 0)          # a program past the last split stores nothing
         o_ptrs = Opart + b.to(tl.int64) * stride_ob + h_q[:, None] * stride_oh + split * stride_os \
