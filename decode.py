@@ -387,7 +387,7 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=N
     q's dtype; the same numbers as decode_attention_reference.
 
     Grid: one program per keys_per_split rows of a head (a head with fewer live rows gets fewer
-    programs), then B·Hq programs to merge each head's splits. max_cap (an int >= every cap) and
+    programs), then B·Hq programs to merge each head's splits. max_cap (an int, the largest cap) and
     live_rows (an int, Σ min(cap, n_tokens) over the heads: the rows read) size the grid without a
     host sync. keys_per_split defaults to about two programs per SM over the rows the heads really
     hold, within the config's bounds; config = (BLOCK_N, num_warps, num_stages, min and max keys per
@@ -404,10 +404,10 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=N
         raise ValueError(f"live_rows must be an int >= 1, got {live_rows!r}")
     if masks.checking_values() or max_cap is None or live_rows is None:   # host syncs; the model skips them
         true_max, true_rows = int(cap.max()), int(cap.clamp(max=n_tokens).sum())
-        if (max_cap or true_max) < true_max or (live_rows or true_rows) != true_rows:  # the grid would miss rows
+        if max_cap not in (None, true_max) or live_rows not in (None, true_rows):  # a wrong grid misses rows
             raise ValueError(f"max_cap {max_cap} and live_rows {live_rows} must be the caps' maximum "
-                             f"{true_max} (or more) and their live rows {true_rows}")
-        max_cap, live_rows = max_cap or true_max, live_rows or true_rows
+                             f"{true_max} and their live rows {true_rows}")
+        max_cap, live_rows = true_max, true_rows
     live_max = min(max_cap, n_tokens)
     if keys_per_split is None:
         # Sized by the rows read, not B·Hkv·live_max: at batch 1 with most heads STREAMING, a few FULL
@@ -434,7 +434,8 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=N
         *q.stride(), *k.stride(), *v.stride(), *start.stride(), *cap.stride(),
         *opart.stride(), *lse.stride(),
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=D,
-        BLOCK_BH=triton.next_power_of_2(B * Hkv), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # true fp32 products for fp32
+        BLOCK_BH=triton.next_power_of_2(B * Hkv),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # true fp32 products for fp32
         num_warps=num_warps, num_stages=num_stages)
     # Merge: most heads' splits fit one BLOCK_S chunk (a loop of dependent loads is latency-bound),
     # and D is cut into 32-wide slices so that a (BLOCK_S, BLOCK_DC) fp32 tile stays in registers.

@@ -283,7 +283,8 @@ def test_bad_input():
         with pytest.raises(ValueError, match="live_rows must be an int >= 1, got 12.5"):
             decode.decode_attention(q, k, k, start, cap, 5, live_rows=12.5)
         live = int(cap.clamp(max=5).sum())   # hints that would leave rows unread are refused
-        with pytest.raises(ValueError, match=f"max_cap 1 and live_rows None must be the caps' maximum {int(cap.max())}"):
+        top = int(cap.max())
+        with pytest.raises(ValueError, match=f"max_cap 1 and live_rows None must be the caps' maximum {top}"):
             decode.decode_attention(q, k, k, start, cap, 5, max_cap=1)
         with pytest.raises(ValueError, match=f"live_rows {live - 1} must be .* their live rows {live}"):
             decode.decode_attention(q, k, k, start, cap, 5, live_rows=live - 1)
