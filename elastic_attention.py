@@ -82,7 +82,6 @@ class Config:
     router_hidden_mult: int = 4    # MLP hidden = 4·D (Table 3: ×2…×8 all within noise)
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
     pool_skip: int = 0             # leading tokens every prompt shares (a chat system turn): not pooled
-    router_head_bias: bool = False  # routers add a learned log α offset per KV head (router.AttentionRouter)
     gate: str = "hard-concrete"    # training gate (METHOD.md §5); "gumbel" = the paper's Gumbel-softmax
     deploy: str = "threshold"      # evaluation gate: FULL iff log α > 0; "count": as many SPARSE heads as training drew
     # Which attention code runs, for prefill, XAttention scoring and decode alike (kernels.BACKENDS):
@@ -435,8 +434,7 @@ class Transformer(nn.Module):
         params = []
         for layer in self.layers:
             r = router_lib.StaticGate(c.n_kv_heads, init_logit) if static else \
-                router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens, c.pool_skip, init_logit,
-                                           n_heads=c.n_kv_heads if c.router_head_bias else 0)
+                router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens, c.pool_skip, init_logit)
             layer.self_attn.router = r.to(self.lm_head.weight.device)
             params += list(r.parameters())
         return params
@@ -707,7 +705,7 @@ FREE_FIELDS = ("sink", "window", "max_seq_len", "backend", "gate", "deploy")
 # What routers learned depends on these, so they must match when the checkpoint holds routers; a
 # dense backbone runs every head FULL whatever they are, so it may be loaded under any of them.
 ROUTER_FIELDS = ("head_config", "block_size", "xa_stride", "xa_threshold", "pool_tokens", "pool_skip",
-                 "router_hidden_mult", "router_head_bias")
+                 "router_hidden_mult")
 
 
 def save_checkpoint(path, model, **extra):

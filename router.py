@@ -239,14 +239,9 @@ class AttentionRouter(nn.Module):
     Both MLPs are shared by all KV heads of the layer (head-agnostic): only a head's pooled key
     vector tells heads apart, so permuting heads permutes the output. Nothing but the keys reaches
     the router — no task id — so at inference it must infer the task from the prompt itself.
-
-    n_heads > 0 adds a learned offset per KV head (head_bias, 0 until set), as a static gate has. The
-    experiment starts it at trained static gates' log α: which heads matter for any input is then not
-    read off pooled keys that vary with the input, and the MLPs learn how an input departs from that
-    (a deviation from the paper, METHOD.md §4).
     """
 
-    def __init__(self, head_dim, hidden_mult=4, pool_tokens=100, pool_skip=0, init_logit=0.0, n_heads=0):
+    def __init__(self, head_dim, hidden_mult=4, pool_tokens=100, pool_skip=0, init_logit=0.0):
         super().__init__()
         if not isinstance(head_dim, int) or head_dim < 1:
             raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
@@ -258,8 +253,6 @@ class AttentionRouter(nn.Module):
             raise ValueError(f"pool_skip must be an int >= 0, got {pool_skip!r}")
         if isinstance(init_logit, bool) or not isinstance(init_logit, (int, float)) or not math.isfinite(init_logit):
             raise ValueError(f"init_logit must be a finite number, got {init_logit!r}")
-        if not isinstance(n_heads, int) or n_heads < 0:
-            raise ValueError(f"n_heads must be an int >= 0 (0: no per-head offset), got {n_heads!r}")
         D, hidden = head_dim, hidden_mult * head_dim
         self.head_dim, self.pool_tokens, self.pool_skip = head_dim, pool_tokens, pool_skip
         # The pooled keys are standardised before the MLPs: (x − shift) / scale per feature, with the
@@ -285,7 +278,6 @@ class AttentionRouter(nn.Module):
         with torch.no_grad():
             last.weight.mul_(0.01)
             last.bias.fill_(init_logit)
-        self.head_bias = nn.Parameter(torch.zeros(n_heads)) if n_heads else None   # (Hkv,)
 
     def forward(self, k, prompt_lengths=None):
         """k (B, Hkv, S, D) key states before RoPE, prompt_lengths (B,) int: the tokens it may read
@@ -306,10 +298,6 @@ class AttentionRouter(nn.Module):
             x = ((x - self.in_shift) / self.in_scale).to(self.router_mlp[0].weight.dtype)
             x = self.task_mlp(x)                                           # (B, Hkv, D)
             log_alpha = self.router_mlp(x).squeeze(-1)                     # (B, Hkv)
-            if self.head_bias is not None:
-                if self.head_bias.shape[0] != Hkv:
-                    raise ValueError(f"this router has offsets for {self.head_bias.shape[0]} KV heads, k has {Hkv}")
-                log_alpha = log_alpha + self.head_bias
         return log_alpha.float()
 
 
@@ -476,8 +464,8 @@ def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lamb
                     betas=(0.9, 0.95), weight_decay=0.1, warmup_frac=0.2):
     """One AdamW with three groups, and a LambdaLR: linear warm-up over warmup_frac, then cosine to 0.
 
-    Groups (paper Table 6): router weight matrices (lr 5e-4, wd 0.1), router biases and per-head
-    offsets (lr 5e-4, no decay, as nanoGPT and HF Trainer do), and λ (lr 1e-3, no decay, maximize=True: gradient ascent).
+    Groups (paper Table 6): router weight matrices (lr 5e-4, wd 0.1), router biases (lr 5e-4, no
+    decay, as nanoGPT and HF Trainer do), and λ (lr 1e-3, no decay, maximize=True: gradient ascent).
     torch's AdamW reads `maximize` per param group, so one optimizer and one scheduler serve both
     players of the min-max. The schedule scales every group alike. Learning rates must be finite
     and > 0: a negative λ lr would silently turn the ascent into a descent.

@@ -852,9 +852,7 @@ def read_routers(path, n_layers=30, head_dim=64):
         raise ValueError(f"{path!r} holds trained static gates (static.pt), not routers: give the run's router.pt")
     saved = ckpt["settings"].get("config", {}) if isinstance(ckpt["settings"], dict) else {}
     with torch.device("meta"):  # the shapes a router of this model has, without making one
-        want = router_lib.AttentionRouter(head_dim, saved.get("router_hidden_mult", 4),
-                                          n_heads=saved.get("n_kv_heads", 0) if saved.get("router_head_bias") else 0)
-        want = want.state_dict()
+        want = router_lib.AttentionRouter(head_dim, saved.get("router_hidden_mult", 4)).state_dict()
     want = {k: tuple(v.shape) for k, v in want.items()}
     got = [{k: tuple(getattr(v, "shape", ())) for k, v in r.items()} if isinstance(r, dict) else r
            for r in ckpt["routers"]]
@@ -963,8 +961,7 @@ if __name__ == "__main__":
         fail(e)
     say(f"loading {path} (Q4_1 → float32, 135M parameters) ...")
     model, tok = from_gguf(path, **{k: saved[k] for k in ("head_config", "sink", "window", "pool_tokens",
-                                                          "router_hidden_mult", "router_head_bias", "deploy")
-                                   if k in saved})
+                                                          "router_hidden_mult", "deploy") if k in saved})
     model.to(device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     if ckpt:
         load_routers(model, ckpt)

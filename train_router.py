@@ -20,9 +20,7 @@ main() is the outline, one stage after the other:
                   per-category oracle, the swap control, all-sparse, the static frontiers; again at the
                   longest length the dense model holds
     5. static     the trained static baseline: one learned gate per KV head (DuoAttention /
-                  PruLong), same gate and loop, target = Elastic's mean Ω_MSR, deployed by rank.
-                  With --router-prior static (gpu, smollm2) it runs before stage 3, to the mix's
-                  mean target, and the routers start from its gates
+                  PruLong), same gate and loop, target = Elastic's mean Ω_MSR, deployed by rank
     6. report     runs/<name>/: results.json, model.pt (backbone + routers), router.pt (to resume),
                   static.pt, plots; a results table on stdout
 --resume refuses a router checkpoint trained with other settings.
@@ -83,27 +81,24 @@ PRESETS = {
     # SmolLM2 (below); the sensitive target is 0.7, where fixed sets keep every synthetic task.
     "gpu": dict(suite="synthetic", model="gpu", seq_len=4096, device="cuda", backend="auto", backbone=None,
                 backbone_stages=[(256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)],
-                batch_size=16, steps=600, router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_prior="static",
-                consistency=3.0, deploy="count", loss="balanced", router_norm=True,
-                targets=(0.7, 0.95), static_steps=150, static_lr=2e-2, lambda_lr=4e-2, eval_per_task=64,
-                eval_batch=16, curve_points=11),
+                batch_size=16, steps=600, router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5,
+                consistency=3.0, deploy="count", loss="balanced", router_norm=True, targets=(0.7, 0.95),
+                static_steps=150, static_lr=2e-2, lambda_lr=4e-2, eval_per_task=64, eval_batch=16, curve_points=11),
     # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, news prose, routers
     # trained at 4K tokens and evaluated at 4K, 6K and 8K. Clipping 5 and the logit penalty keep the
     # routers' logits where the gate passes gradient (at μ 0.03 a quarter of the draws at the end; at
     # 0.01, 17-18 %); their inputs are standardised, and the loss weighs every task alike. The
     # sensitive target 0.6 is the last point of the measured static frontier where fixed head sets
-    # keep (nearly) dense accuracy; robust inputs go to 0.95. The static gates (one logit per head;
-    # Adam moves it ~lr per step; DuoAttention's gate lr 2e-2) train first, to the mix's mean target,
-    # and the routers start from them (router_prior): log α = the head's gate + the MLPs' output, 0 at
-    # first, so every input starts at Ω ≈ 0.78, between the two targets, and the categories'
-    # multipliers pull apart from the first step. The consistency term keeps the inputs of one task on
-    # one head set. 600 steps: with Adam a multiplier moves ~lr per step; at 300 robust inputs stopped short.
+    # keep (nearly) dense accuracy; robust inputs go to 0.95. The routers start at log α = −1.5
+    # (Ω ≈ 0.82), between the two targets, so the categories' multipliers pull apart from the first
+    # step; the consistency term keeps the inputs of one task on one head set. 600 steps: with Adam a
+    # multiplier moves ~lr per step, and at 300 the robust inputs stopped short. The static gates (one
+    # logit per head; Adam moves it ~lr per step) get DuoAttention's gate lr 2e-2.
     "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 6144, 8192),
                     device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=600,
-                    router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_prior="static",
-                    consistency=3.0, deploy="count", loss="balanced", router_norm=True, targets=(0.6, 0.95),
-                    static_steps=150, static_lr=2e-2, lambda_lr=4e-2, eval_per_task=64, eval_batch=8,
-                    calib_per_task=32, curve_points=6),
+                    router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5, consistency=3.0, deploy="count",
+                    loss="balanced", router_norm=True, targets=(0.6, 0.95), static_steps=150, static_lr=2e-2,
+                    lambda_lr=4e-2, eval_per_task=64, eval_batch=8, calib_per_task=32, curve_points=6),
 }
 # --smoke: the tiny preset cut down to a quick look (the numbers mean little).
 SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
@@ -146,12 +141,9 @@ def build_parser():
     g.add_argument("--logit-penalty", type=float,
                    help="μ of a μ·mean(log α²) term for the routers (default: gpu, smollm2 0.03, tiny 0): keeps "
                         "their logits where the hard-concrete gate still passes gradient")
-    g.add_argument("--router-prior", choices=("static", "none"),
-                   help="static: train the static gates first and start each router's learned per-head log α "
-                        "offset at them (default: gpu, smollm2); none: no offset, the MLPs alone (default: tiny)")
     g.add_argument("--router-init", type=float,
-                   help="the routers' MLP output at the start, added to any prior (default 0: tiny Ω ≈ 0.5; "
-                        "gpu, smollm2 the static gates' Ω)")
+                   help="the routers' log α at the start (default: gpu, smollm2 −1.5, i.e. Ω ≈ 0.82; "
+                        "tiny 0, Ω ≈ 0.5)")
     g.add_argument("--consistency", type=float,
                    help="μ_c of a term μ_c·Σ_heads (P(FULL) − its task's batch mean)² per input (default: gpu, "
                         "smollm2 3, tiny 0): the inputs of one task share a head set")
@@ -200,10 +192,6 @@ def settings_from(args):
     P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
     P["data_workers"] = args.data_workers
     P["deploy"] = args.deploy or P.get("deploy", "threshold")
-    P["router_prior"] = args.router_prior or P.get("router_prior", "none")
-    if P["router_prior"] == "static" and args.no_static:
-        fail("--no-static: the routers start from the trained static gates (--router-prior static); "
-             "give --router-prior none to skip them")
     for key in ("logit_penalty", "router_init", "consistency"):
         P[key] = getattr(args, key) if getattr(args, key) is not None else P.get(key, 0.0)
     if args.seq_len is not None and "eval_seq_lens" in P:
@@ -386,8 +374,7 @@ def load_suite(P, args, rank, world):
     real-text suite (the model comes with it)."""
     if P["suite"] == "synthetic":
         cfg = elastic_attention.Config.shape(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
-                                              gate=args.gate, deploy=P["deploy"], backend=P["backend"],
-                                              router_head_bias=P["router_prior"] == "static")
+                                              gate=args.gate, deploy=P["deploy"], backend=P["backend"])
         return tasks.suite(cfg.window, cfg.sink, cfg.n_layers, P["seq_len"]), None, cfg
     import smollm2
     if args.gguf:
@@ -399,8 +386,7 @@ def load_suite(P, args, rank, world):
             dist.broadcast_object_list(paths)
         path = paths[0]
     model, tokenizer = smollm2.from_gguf(path, head_config=args.config, gate=args.gate, deploy=P["deploy"],
-                                         backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]),
-                                         router_head_bias=P["router_prior"] == "static")
+                                         backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]))
     if rank == 0:  # fetch the haystack once here, not in every data worker
         smollm2.load_text("train", args.haystack)
     cfg = model.cfg
@@ -508,7 +494,6 @@ def router_settings(run, model, targets):
                 router_lr=P["router_lr"], static_steps=P["static_steps"], static_lr=P["static_lr"],
                 lambda_lr=P["lambda_lr"], targets=list(targets), gate=args.gate, abs_lagrangian=args.abs_lagrangian,
                 logit_penalty=P["logit_penalty"], router_init=P["router_init"], consistency=P["consistency"],
-                router_prior=P["router_prior"],
                 clip=P.get("clip"), loss=P.get("loss", "tokens"),
                 router_norm=P.get("router_norm", False), haystack=args.haystack if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
@@ -619,19 +604,14 @@ def log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, lr):
                                        "lambda1_sensitive", "lambda1_robust"), logged)), lr=lr)
 
 
-def train_gates(run, model, settings, static, targets, path, resume=None, prior=None):
+def train_gates(run, model, settings, static, targets, path, resume=None):
     """Train the routers (static=False) or one gate per KV head (static=True) on the frozen backbone.
-    targets: one Ω_MSR target per task; prior: (L, Hkv) log α the routers' per-head offsets start at.
-    Returns (per-step log, gate parameters); the gates stay in model."""
+    targets: one Ω_MSR target per task. Returns (per-step log, gate parameters); the gates stay in model."""
     P, cfg = run.P, model.cfg
     # The static gates start at their target (all tasks share it). Started elsewhere they ended far from it:
     # SmolLM2's from Ω 0.82 overshot to 0.63 against 0.75, the tiny preset's from 0.5 reached 0.61 against ~0.85.
     init = router_lib.log_alpha_for_omega(targets[0]) if static else P["router_init"]
     params = model.attach_routers(static=static, init_logit=init)
-    if prior is not None:
-        with torch.no_grad():
-            for r, gates in zip(model.routers, prior, strict=True):
-                r.head_bias.copy_(gates)
     if not static and P.get("router_norm"):
         fit_router_inputs(run, model)
     steps = P["static_steps" if static else "steps"]
@@ -715,9 +695,6 @@ def stop_if_interrupted(run, interrupted, save, static, path, done):
     if not stop:
         return
     save()
-    if static and run.P["router_prior"] == "static":  # they come first: nothing to resume yet
-        fail(f"interrupted after {done} steps of the static gates, which the routers start from: run the command "
-             "again")
     if static:  # --resume takes router.pt: the finished routers, then evaluation and this stage afresh
         fail(f"interrupted after {done} steps of the static gates; the routers are done: "
              f"--resume {os.path.join(run.out_dir, 'router.pt')} reruns the evaluation and this stage")
@@ -920,24 +897,21 @@ def evaluate_all(run, model, orders):
     return results, progressive, long_len, points
 
 
-def train_static(run, model, settings, omega):
-    """The trained static gates (DuoAttention-style): one logit per KV head, every task's target Ω.
-    Returns dict(log=training log, gates=(L, Hkv) log α, diff=DDP replica difference)."""
-    static_log, params = train_gates(run, model, settings, True, [omega] * len(run.suite.tasks),
-                                     os.path.join(run.out_dir, "static.pt"))
-    return dict(log=static_log, gates=torch.stack([r.log_alpha.detach() for r in model.routers]),
-                diff=replica_difference(run, params) if run.ddp else None)
-
-
-def evaluate_static(run, model, gates, results, progressive, points, long_len):
-    """Stage 5: the trained static gates deployed by rank to exactly Elastic's mean Ω at each length."""
+def evaluate_static(run, model, settings, results, progressive, points, long_len):
+    """Stage 5: the trained static gates, trained to Elastic's mean Ω_MSR and deployed by rank to
+    exactly that Ω at each length. Returns (training log, gates (L, Hkv), DDP replica difference)."""
     S = run.P["seq_len"]
+    elastic_omega = mean_omega(results["elastic"])
+    static_log, params = train_gates(run, model, settings, True, [elastic_omega] * len(run.suite.tasks),
+                                     os.path.join(run.out_dir, "static.pt"))
+    gates = torch.stack([r.log_alpha.detach() for r in model.routers])           # (L, Hkv)
     order = gates.flatten().argsort().cpu()                                       # lowest log α sparse first
     for seq_len in (S, long_len) if long_len else (S,):
         tag = "" if seq_len == S else f"@{seq_len}"
         results["static_trained" + tag] = evaluate(run, model, fixed(model, order, mean_omega(results["elastic" + tag])),
                                                    seq_len)
     progressive["static_trained"] = frontier(run, model, order, points)
+    return static_log, gates, replica_difference(run, params) if run.ddp else None
 
 
 def omega_agreement(run, train_log, results):
@@ -985,24 +959,19 @@ def main(argv=None):
         t_sens, calibration["sensitive_frontier"] = auto_target(run, model, retrieval.flatten().argsort())
     calibration["sensitive_target"] = t_sens
     targets = [t_sens if t.category == "sensitive" else t_rob for t in suite.tasks]
-    static = None
-    if P["router_prior"] == "static":                                      # 5. static gates, before the routers
-        static = train_static(run, model, settings, statistics.mean(targets))
     train_log, params = train_gates(run, model, settings, False, targets,     # 3. routers
-                                    os.path.join(out_dir, "router.pt"), resume=args.resume,
-                                    prior=static["gates"] if static else None)
+                                    os.path.join(out_dir, "router.pt"), resume=args.resume)
     rank_diff = {"routers": replica_difference(run, params)} if run.ddp else {}
     if run.main:
         elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings)
     gate_share = check_gate_share(run, train_log)
     orders = head_orders(run, model, retrieval)
     results, progressive, long_len, points = evaluate_all(run, model, orders)  # 4. evaluate
+    static_log, static_gates = [], None
     if not args.no_static:                                                    # 5. static gates
-        # without a prior they train now, to Elastic's mean Ω (deployment by rank makes either fair)
-        static = static or train_static(run, model, settings, mean_omega(results["elastic"]))
-        evaluate_static(run, model, static["gates"], results, progressive, points, long_len)
+        static_log, static_gates, diff = evaluate_static(run, model, settings, results, progressive, points, long_len)
         if run.ddp:
-            rank_diff["static"] = static["diff"]
+            rank_diff["static"] = diff
     for name in progressive:  # dense and all-sparse close every curve
         progressive[name] = {"0.000": {t: v["score"] for t, v in results["dense"].items()}, **progressive[name],
                              "1.000": {t: v["score"] for t, v in results["all_sparse"].items()}}
@@ -1013,8 +982,8 @@ def main(argv=None):
             calibration=calibration, gate_share_end=gate_share,
             omega_train_vs_deployed=omega_agreement(run, train_log, results), long_len=long_len,
             retrieval_scores=retrieval.tolist(),
-            static_trained_gates=static["gates"].tolist() if static else None, results=results,
-            progressive={str(P["seq_len"]): progressive}, train_log=train_log, static_log=static["log"] if static else [],
+            static_trained_gates=None if static_gates is None else static_gates.tolist(), results=results,
+            progressive={str(P["seq_len"]): progressive}, train_log=train_log, static_log=static_log,
             decoded_answers=decoded_answers(run, model)))
     if run.ddp:
         dist.destroy_process_group()

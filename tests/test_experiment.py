@@ -151,25 +151,7 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     assert len(json.loads((tmp_path / "results.json").read_text())["static_log"]) == 3
 
 
-def test_routers_start_from_the_static_gates(quick_run, tmp_path):
-    """--router-prior static: the static gates train first, to the mix's mean target, and each router's
-    per-head offset starts at their log α; 3 router steps of Adam at lr ≤ 2e-3 move it by < 1e-2.
-    A Ctrl-C in that first stage says to run the command again (there are no routers to resume)."""
-    out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--router-prior", "static", "--out", str(tmp_path)]
-    proc = run_script(*args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.index("static gates: step") < proc.stdout.index("routers: step")
-    res = json.loads((tmp_path / "results.json").read_text())
-    gates = torch.tensor(res["static_trained_gates"])
-    offsets = torch.stack([r["head_bias"] for r in torch.load(tmp_path / "router.pt", weights_only=True)["routers"]])
-    assert gates.abs().min() > 0.5 and (offsets - gates).abs().max() < 1e-2
-    said = ctrl_c([*args[:-1], str(tmp_path / "cut"), "--static-steps", "100000"])
-    assert "static gates, which the routers start from: run the command again" in said, said[-2000:]
-
-
 @pytest.mark.parametrize("args, message", [
-    (["--router-prior", "static", "--no-static"], "--no-static: the routers start from the trained static gates"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--targets", "1.5,1.0"], "--targets must lie in [0, 1]"),
     (["--targets", "0.7"], "--targets must be two numbers"),
@@ -308,14 +290,10 @@ def test_backbone_of_another_config_is_refused(tmp_path):
     assert proc.returncode != 0 and "different config" in proc.stderr
 
 
-@pytest.mark.parametrize("head_bias", [False, True])
-def test_checkpoint_round_trip_with_routers(tmp_path, head_bias):
-    cfg = elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE, n_layers=2, router_head_bias=head_bias)
+def test_checkpoint_round_trip_with_routers(tmp_path):
+    cfg = elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE, n_layers=2)
     model = elastic_attention.Transformer(cfg)
     model.attach_routers()
-    if head_bias:
-        with torch.no_grad():
-            model.routers[1].head_bias.copy_(torch.arange(cfg.n_kv_heads) - 0.5)
     elastic_attention.save_checkpoint(str(tmp_path / "m.pt"), model, step=7)
     loaded, ckpt = elastic_attention.load_checkpoint(str(tmp_path / "m.pt"), cfg)
     assert ckpt["step"] == 7 and loaded.routers is not None

@@ -333,31 +333,6 @@ def test_permuting_heads_permutes_log_alpha(Hkv, seed):
     assert err < 1e-6, f"perm {perm.tolist()}: max diff {err}"
 
 
-def test_head_bias_is_a_learned_offset_per_head(restore_rng):
-    """With n_heads, log α = the head-agnostic MLPs' output + one offset per KV head, 0 until set
-    (the same decisions as without it); the offset gets a gradient and trains with the biases."""
-    torch.manual_seed(0)
-    plain = AttentionRouter(8, hidden_mult=2, pool_tokens=4, init_logit=-1.5)
-    torch.manual_seed(0)
-    biased = AttentionRouter(8, hidden_mult=2, pool_tokens=4, init_logit=-1.5, n_heads=3)
-    k = torch.randn(2, 3, 11, 8)
-    assert torch.equal(plain(k), biased(k)), "a zero offset must leave log α as it was"
-    with torch.no_grad():
-        biased.head_bias.copy_(torch.tensor([2.0, -1.0, 0.5]))
-    assert torch.allclose(biased(k), plain(k) + torch.tensor([2.0, -1.0, 0.5]), atol=1e-6)
-    biased(k).sum().backward()
-    assert torch.equal(biased.head_bias.grad, torch.full((3,), 2.0))   # ∂Σlog α/∂offset_h = B
-    opt, _ = build_optimizer(biased.parameters(), SparsityLagrangian(1, [0.5]), 10, router_lr=1e-3)
-    groups = {g["name"]: g for g in opt.param_groups}
-    assert any(p is biased.head_bias for p in groups["router_bias"]["params"])
-    assert groups["router_bias"]["weight_decay"] == 0.0
-    with pytest.raises(ValueError, match="offsets for 3 KV heads, k has 2"):
-        biased(torch.randn(2, 2, 11, 8))
-    for bad in (-1, 1.5, "3"):
-        with pytest.raises(ValueError, match="n_heads must be an int >= 0"):
-            AttentionRouter(8, n_heads=bad)
-
-
 def test_router_init_is_undecided_but_trainable(restore_rng):
     torch.manual_seed(0)
     r = AttentionRouter(16, pool_tokens=4)
