@@ -47,6 +47,7 @@ import math
 import os
 import time
 import warnings
+from types import SimpleNamespace
 
 # OpenMP threads that sleep between parallel regions instead of spinning: a CPU shared with other
 # jobs is not slowed several-fold (the GPU timings do not change). Read when torch loads.
@@ -84,7 +85,7 @@ DECODE_GRID = [("gpu", [4096], [1, 16]), ("llama3-8b", [8192, 32768, 131072], [1
     else [("tiny", [128], [1, 2])]
 # Router-training steps (experiment preset, model shape, dtype of the frozen model, batch, S).
 TRAIN_GRID = [("gpu", "gpu", torch.float32, 16, 4096), ("smollm2", "smollm2-135m", torch.bfloat16, 8, 4096)] \
-    if CUDA else [("tiny", "tiny", torch.float32, 4, 128)]
+    if CUDA else [("gpu", "tiny", torch.float32, 4, 128)]   # the GPU presets' step terms on a small shape
 CPU_MAX_SEQ_LEN = 4096   # the smoke test's eager Flex and masked peers hold Hq·S² values
 # Compiled on a GPU: Flex's fused kernels, and a BlockMask made without an S×S mask in memory.
 flex = torch.compile(flex_attention, dynamic=False) if CUDA else flex_attention
@@ -530,7 +531,8 @@ def train_row(preset, shape, dtype, B, S, args, gen):
     params = model.attach_routers()
     router_lib.freeze_backbone(model)
     model.train()
-    run = train_router.Run(P, flags, torch.device(DEVICE), None, None)
+    # The step reads only how many tasks there are (the consistency term groups a batch's inputs by task).
+    run = train_router.Run(P, flags, torch.device(DEVICE), SimpleNamespace(tasks=range(4)), None)
     lagrangian = router_lib.SparsityLagrangian(4, [0.7, 0.7, 0.95, 0.95]).to(DEVICE)
     optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, 10 ** 6, P["router_lr"], P["lambda_lr"])
     sens = torch.tensor([True, True, False, False], device=DEVICE)
