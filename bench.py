@@ -47,7 +47,6 @@ import math
 import os
 import time
 import warnings
-from types import SimpleNamespace
 
 # OpenMP threads that sleep between parallel regions instead of spinning: a CPU shared with other
 # jobs is not slowed several-fold (the GPU timings do not change). Read when torch loads.
@@ -531,8 +530,7 @@ def train_row(preset, shape, dtype, B, S, args, gen):
     params = model.attach_routers()
     router_lib.freeze_backbone(model)
     model.train()
-    # The step reads only how many tasks there are (the consistency term groups a batch's inputs by task).
-    run = train_router.Run(P, flags, torch.device(DEVICE), SimpleNamespace(tasks=range(4)), None)
+    run = train_router.Run(P, flags, torch.device(DEVICE), None, None)   # the step needs no task suite
     lagrangian = router_lib.SparsityLagrangian(4, [0.7, 0.7, 0.95, 0.95]).to(DEVICE)
     optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, 10 ** 6, P["router_lr"], P["lambda_lr"])
     sens = torch.tensor([True, True, False, False], device=DEVICE)

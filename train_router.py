@@ -585,7 +585,7 @@ def gate_loss(run, model, step_model, lagrangian, b, static, step):
         loss = loss + P["logit_penalty"] * log_alpha.pow(2).sum() / (B * cfg.n_layers * cfg.n_kv_heads)
     if P["consistency"] and not static:  # over this shard's inputs of a task (the whole batch on one GPU)
         loss = loss + P["consistency"] * router_lib.consistency_penalty(
-            log_alpha, b["task_ids"], len(run.suite.tasks)).sum() / B
+            log_alpha, b["task_ids"], b["task_counts"].numel()).sum() / B
     return (loss, lm, reg), info, log_alpha.detach()
 
 
