@@ -320,12 +320,13 @@ class Attention(nn.Module):
         return cache.attend(self.layer_idx, q[:, :, 0], pos + 1)
 
     def forward(self, x, cos, sin, modes=None, z=None, lengths=None, prompt_lengths=None, gate_noise=None,
-                rows_at=None, cache=None, debt=None):
+                rows_at=None, cache=None, debt=None, shift=None):
         """x (B, S, C) → (out (B, S, C), record). modes (B, Hkv) int or z (B, Hkv) in [0, 1] skip the
         router. lengths (B,): real tokens (the rest is padding); prompt_lengths (B,): tokens the router
         may read. rows_at (B,): also record each head's dense attention row there (attention_row).
         cache: decode one token against it instead (record None). debt (B,): the "count" evaluation
-        gate's rounding, carried from layer to layer. record: this layer's z, kernel
+        gate's rounding, carried from layer to layer. shift (B,): ranked routers' per-input log α shift
+        (Transformer.attach_routers), added to every head's. record: this layer's z, kernel
         modes, log α, block mask, k/v for a KV cache, and the rows."""
         B, S, _ = x.shape
         q, k, v, k_pre = self.project(x, cos, sin)
@@ -337,6 +338,8 @@ class Attention(nn.Module):
         log_alpha = None
         if modes is None and z is None and self.router is not None:
             log_alpha = self.router(k_pre, prompt_lengths)                                 # (B, Hkv)
+            if shift is not None:
+                log_alpha = log_alpha + shift[:, None]
             z = self.gate(log_alpha, gate_noise, debt)                                     # (B, Hkv)
         if z is not None:
             modes = torch.where(z > 0.5, full_mode, sparse_mode).to(torch.int32)           # (B, Hkv)
@@ -414,6 +417,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
+        self.shift_router = None  # ranked routers only (attach_routers)
 
     def _init_weights(self, m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -425,18 +429,28 @@ class Transformer(nn.Module):
         routers = [layer.self_attn.router for layer in self.layers]
         return None if routers[0] is None else routers
 
-    def attach_routers(self, static=False, init_logit=0.0):
+    def attach_routers(self, static=False, init_logit=0.0, ranked=False):
         """Give every layer an AttentionRouter (METHOD.md §4), float32, on the model's device, and
         return their parameters; init_logit: their log α at the start. static=True gives a
         StaticGate instead: one learned log α per KV head, the same for every input (the
-        DuoAttention / PruLong baseline, trained the same way from the same start)."""
-        c = self.cfg
+        DuoAttention / PruLong baseline, trained the same way from the same start). ranked=True
+        gives StaticGates plus one AttentionRouter on layer 0's keys (shift_router) whose output,
+        averaged over its heads, shifts every head's log α alike: the input decides how many heads
+        go FULL, one learned ranking shared by all inputs decides which (METHOD.md §4)."""
+        if static and ranked:
+            raise ValueError("attach_routers: static and ranked exclude each other")
+        c, device = self.cfg, self.lm_head.weight.device
         params = []
         for layer in self.layers:
-            r = router_lib.StaticGate(c.n_kv_heads, init_logit) if static else \
+            r = router_lib.StaticGate(c.n_kv_heads, init_logit) if static or ranked else \
                 router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens, c.pool_skip, init_logit)
-            layer.self_attn.router = r.to(self.lm_head.weight.device)
+            layer.self_attn.router = r.to(device)
             params += list(r.parameters())
+        self.shift_router = None
+        if ranked:
+            self.shift_router = router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens,
+                                                           c.pool_skip, 0.0).to(device)
+            params += list(self.shift_router.parameters())
         return params
 
     def set_gumbel_tau(self, tau):
@@ -546,13 +560,18 @@ class Transformer(nn.Module):
         x = self.embed_tokens(idx)                                                    # (B, S, C)
         records = []
         debt = torch.zeros(B, device=idx.device) if routed else None   # the "count" gate's rounding (router.count_gate)
+        shift = None
+        if routed and self.shift_router is not None:  # ranked routers: one log α shift per input, from layer 0's keys
+            first = self.layers[0]
+            k_pre = first.self_attn.project(first.input_layernorm(x), cos, sin)[3]          # (B, Hkv, S, D)
+            shift = self.shift_router(k_pre, prompt_lengths).mean(1)                         # (B,)
         with masks.values_checked():   # the inputs are checked: no host syncs inside the layers
             for i, layer in enumerate(self.layers):
                 x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
                                   z=None if z is None else z[i],
                                   gate_noise=None if gate_noise is None else gate_noise[i],
                                   lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache,
-                                  debt=debt)
+                                  debt=debt, shift=shift)
                 records.append(record)
         if routed and torch.stack([r["log_alpha"] for r in records]).isnan().any():  # NaN > 0 is False: taken as sparse
             raise ValueError(f"log α has NaN entries in layers "
@@ -653,7 +672,7 @@ class Transformer(nn.Module):
 def load_hf_state_dict(model, hf_state):
     """Copy a HF Llama / Qwen3 state dict (model.layers.{i}.self_attn.q_proj.weight, …,
     lm_head.weight) into `model`. Raises on missing, unexpected or mis-shaped tensors."""
-    ours = {k: v for k, v in model.state_dict().items() if ".router." not in k}
+    ours = {k: v for k, v in model.state_dict().items() if ".router." not in k and not k.startswith("shift_router.")}
     mapped = {}
     for name, tensor in hf_state.items():
         if name.endswith("rotary_emb.inv_freq"):
@@ -781,7 +800,9 @@ def load_checkpoint(path, cfg=None, map_location="cpu"):
         saved = cfg
     model = Transformer(saved)
     if has_routers:
-        model.attach_routers(static=any(k.endswith(".router.log_alpha") for k in ckpt["model"]))
+        ranked = any(k.startswith("shift_router.") for k in ckpt["model"])
+        model.attach_routers(static=not ranked and any(k.endswith(".router.log_alpha") for k in ckpt["model"]),
+                             ranked=ranked)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:   # its weights do not fit its own config: written by other code

@@ -451,7 +451,7 @@ def freeze_backbone(model):
         raise ValueError(f"{type(model).__name__} has no routers; call attach_routers() before freezing")
     trainable = []
     for name, p in model.named_parameters():
-        is_router = ".router." in name      # layers.{i}.self_attn.router.*
+        is_router = ".router." in name or name.startswith("shift_router.")  # layers.{i}.self_attn.router.*
         p.requires_grad_(is_router)
         if is_router:
             trainable.append(p)
@@ -461,16 +461,19 @@ def freeze_backbone(model):
 
 
 def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lambda_lr=1e-3,
-                    betas=(0.9, 0.95), weight_decay=0.1, warmup_frac=0.2):
+                    betas=(0.9, 0.95), weight_decay=0.1, warmup_frac=0.2, rank_params=(), rank_lr=None):
     """One AdamW with three groups, and a LambdaLR: linear warm-up over warmup_frac, then cosine to 0.
 
     Groups (paper Table 6): router weight matrices (lr 5e-4, wd 0.1), router biases (lr 5e-4, no
     decay, as nanoGPT and HF Trainer do), and λ (lr 1e-3, no decay, maximize=True: gradient ascent).
     torch's AdamW reads `maximize` per param group, so one optimizer and one scheduler serve both
     players of the min-max. The schedule scales every group alike. Learning rates must be finite
-    and > 0: a negative λ lr would silently turn the ascent into a descent.
+    and > 0: a negative λ lr would silently turn the ascent into a descent. rank_params (ranked
+    routers' per-head logits; not in router_params) get a group of their own at rank_lr, no decay.
     """
-    for name, lr in (("router_lr", router_lr), ("lambda_lr", lambda_lr)):
+    rank_params = list(rank_params)
+    checked = (("router_lr", router_lr), ("lambda_lr", lambda_lr)) + ((("rank_lr", rank_lr),) if rank_params else ())
+    for name, lr in checked:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
             raise ValueError(f"{name} must be a finite number > 0, got {lr!r}")
     if not isinstance(total_steps, int) or total_steps < 1:
@@ -485,6 +488,7 @@ def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lamb
              maximize=False, name="router_bias"),
         dict(params=list(lagrangian.parameters()), lr=lambda_lr, weight_decay=0.0,
              maximize=True, name="lambda"),
+        dict(params=rank_params, lr=rank_lr, weight_decay=0.0, maximize=False, name="rank"),
     ]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], betas=betas)
 

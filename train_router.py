@@ -138,6 +138,10 @@ def build_parser():
     g.add_argument("--static-lr", type=float, help="the trained static gates' peak learning rate (one logit "
                                                  "per head: it needs a larger one than an MLP)")
     g.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
+    g.add_argument("--router", choices=["mlp", "ranked"],
+                   help="mlp: the paper's router, a logit per head from its pooled keys (default); ranked: one "
+                        "learned ranking of the heads, shifted per input by a router on layer 0's keys")
+    g.add_argument("--rank-lr", type=float, help="ranked routers: the ranking's peak learning rate (default 1e-2)")
     g.add_argument("--logit-penalty", type=float,
                    help="μ of a μ·mean(log α²) term for the routers (default: gpu, smollm2 0.03, tiny 0): keeps "
                         "their logits where the hard-concrete gate still passes gradient")
@@ -186,10 +190,11 @@ def settings_from(args):
         fail("--smoke is a cut-down tiny preset; drop --preset or --smoke")
     P = dict(PRESETS[args.preset], **(SMOKE if args.smoke else {}))
     for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "static_steps",
-                "static_lr", "lambda_lr", "seq_len", "curve_points", "calib_per_task"):
+                "static_lr", "lambda_lr", "seq_len", "curve_points", "calib_per_task", "router", "rank_lr"):
         if getattr(args, key) is not None:
             P[key] = getattr(args, key)
     P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
+    P["router"], P["rank_lr"] = P.get("router", "mlp"), P.get("rank_lr", 1e-2)
     P["data_workers"] = args.data_workers
     P["deploy"] = args.deploy or P.get("deploy", "threshold")
     for key in ("logit_penalty", "router_init", "consistency"):
@@ -211,7 +216,7 @@ def settings_from(args):
         fail(f"--router-init must be a finite number, got {P['router_init']}")
     if args.data_workers is not None and args.data_workers < 0:
         fail(f"--data-workers must be >= 0, got {args.data_workers}")
-    for key in ("router_lr", "static_lr", "lambda_lr"):
+    for key in ("router_lr", "static_lr", "lambda_lr", "rank_lr"):
         if not (math.isfinite(P[key]) and P[key] > 0):  # a negative λ lr would invert the min-max
             fail(f"--{key.replace('_', '-')} must be a finite number > 0, got {P[key]}")
     P["backbone_stages"] = backbone_stages(args, P)
@@ -495,7 +500,9 @@ def router_settings(run, model, targets):
                 lambda_lr=P["lambda_lr"], targets=list(targets), gate=args.gate, abs_lagrangian=args.abs_lagrangian,
                 logit_penalty=P["logit_penalty"], router_init=P["router_init"], consistency=P["consistency"],
                 clip=P.get("clip"), loss=P.get("loss", "tokens"),
-                router_norm=P.get("router_norm", False), haystack=args.haystack if P["suite"] == "smollm2" else None,
+                router_norm=P.get("router_norm", False), router=P["router"],
+                rank_lr=P["rank_lr"] if P["router"] == "ranked" else None,
+                haystack=args.haystack if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
                 backbone_sha256=weights_sha256(model.state_dict()))
 
@@ -558,6 +565,10 @@ def resume_from(run, path, settings, static, steps, state):
     try:
         for layer, router_state in zip(state["model"].layers, ckpt["routers"], strict=True):
             layer.self_attn.router.load_state_dict(router_state)
+        if (ckpt.get("shift_router") is None) != (state["model"].shift_router is None):
+            raise ValueError("ranked and per-head routers differ")
+        if ckpt.get("shift_router") is not None:
+            state["model"].shift_router.load_state_dict(ckpt["shift_router"])
         for k in ("lagrangian", "optimizer", "scheduler"):
             state[k].load_state_dict(ckpt[k])
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
@@ -611,16 +622,19 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     # The static gates start at their target (all tasks share it). Started elsewhere they ended far from it:
     # SmolLM2's from Ω 0.82 overshot to 0.63 against 0.75, the tiny preset's from 0.5 reached 0.61 against ~0.85.
     init = router_lib.log_alpha_for_omega(targets[0]) if static else P["router_init"]
-    params = model.attach_routers(static=static, init_logit=init)
+    ranked = not static and P["router"] == "ranked"
+    params = model.attach_routers(static=static, init_logit=init, ranked=ranked)
     if not static and P.get("router_norm"):
         fit_router_inputs(run, model)
+    rank = [p for r in model.routers for p in r.parameters()] if ranked else []
     steps = P["static_steps" if static else "steps"]
     router_lib.freeze_backbone(model)
     model.train()
     lagrangian = router_lib.SparsityLagrangian(len(run.suite.tasks), targets, abs_variant=run.args.abs_lagrangian)
     lagrangian = lagrangian.to(run.device)
-    optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, steps, lambda_lr=P["lambda_lr"],
-                                                      router_lr=P["static_lr" if static else "router_lr"])
+    optimizer, scheduler = router_lib.build_optimizer(
+        [p for p in params if not any(p is q for q in rank)], lagrangian, steps, lambda_lr=P["lambda_lr"],
+        router_lr=P["static_lr" if static else "router_lr"], rank_params=rank, rank_lr=P["rank_lr"])
     step_model = torch.nn.parallel.DistributedDataParallel(model) if run.ddp else model
     state = dict(model=model, lagrangian=lagrangian, optimizer=optimizer, scheduler=scheduler)
     start, train_log = resume_from(run, resume, settings, static, steps, state) if resume else (0, [])
@@ -628,6 +642,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     def save():
         if run.main:
             torch.save(dict(settings=settings, static=static, routers=[r.state_dict() for r in model.routers],
+                            shift_router=None if model.shift_router is None else model.shift_router.state_dict(),
                             lagrangian=lagrangian.state_dict(), optimizer=optimizer.state_dict(),
                             scheduler=scheduler.state_dict(), step=len(train_log), log=train_log), path + ".tmp")
             os.replace(path + ".tmp", path)  # atomic: Ctrl-C mid-save keeps the previous checkpoint
@@ -731,6 +746,9 @@ def fit_router_inputs(run, model):
             for layer, record in enumerate(info["records"]):
                 pooled[layer].append(router_lib.boundary_pool(record["k_pre"], b["prompt_lengths"], cfg.pool_tokens,
                                                               cfg.pool_skip))
+    if model.shift_router is not None:  # ranked: only the router on layer 0's keys reads them
+        router_lib.fit_input_norm(model.shift_router, torch.cat(pooled[0]))
+        return
     for r, xs in zip(model.routers, pooled):
         router_lib.fit_input_norm(r, torch.cat(xs))
 

@@ -654,6 +654,52 @@ def test_frozen_tiny_transformer_trains_only_routers(restore_rng):
             assert torch.equal(p, frozen[n]), f"backbone param {n} changed"
 
 
+def test_ranked_routers_shift_one_shared_ranking_per_input(tmp_path, restore_rng):
+    """attach_routers(ranked=True): every layer's log α is its learned per-head logit plus one shift
+    per input, read from layer 0's keys; the shift router and every layer's logits train, the
+    backbone does not, the logits get their own optimizer group, and a checkpoint reloads them."""
+    ea = pytest.importorskip("elastic_attention")
+    torch.manual_seed(0)
+    cfg = ea.Config.shape("tiny", n_layers=3, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                           sink=2, window=8, pool_tokens=4)
+    model = ea.Transformer(cfg)
+    model.attach_routers(ranked=True, init_logit=-1.0)
+    with torch.no_grad():
+        for r in model.routers:
+            r.log_alpha.normal_()
+        model.shift_router.router_mlp[-1].weight.normal_()   # a shift that differs between inputs
+    params = freeze_backbone(model)
+    rank = [p for r in model.routers for p in r.parameters()]
+    assert {id(p) for p in params} == {id(p) for p in rank} | {id(p) for p in model.shift_router.parameters()}
+    idx = torch.randint(0, cfg.vocab_size, (2, 40))
+    lengths = torch.tensor([40, 30])
+    logits, info = model.train()(idx, lengths=lengths)
+    offsets = torch.stack([la - r.log_alpha for la, r in zip(info["log_alpha"], model.routers)])  # (L, B, Hkv)
+    assert offsets.std(0).max() < 1e-5 and offsets.std(2).max() < 1e-5      # one shift per input
+    assert (offsets[0, 0, 0] - offsets[0, 1, 0]).abs() > 1e-3                # that differs between inputs
+    first = model.layers[0]
+    k0 = first.self_attn.project(first.input_layernorm(model.embed_tokens(idx)), model.rope_cos[:40],
+                                 model.rope_sin[:40])[3]
+    torch.testing.assert_close(offsets[0, :, 0], model.shift_router(k0, lengths).mean(1))
+    lag = SparsityLagrangian(2, [router.SENSITIVE_TARGET, router.ROBUST_TARGET])
+    opt, _ = build_optimizer([p for p in params if all(p is not q for q in rank)], lag, total_steps=10,
+                             rank_params=rank, rank_lr=0.01)
+    assert [g["lr"] for g in opt.param_groups if g["name"] == "rank"] == [pytest.approx(0.01 / 3)]  # warm-up
+    lm = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), idx[:, 1:].reshape(-1))
+    (lm + lag(info["omega_msr"], torch.tensor([0, 1]))).backward()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().max() > 0, f"router param {n} got no gradient"
+        else:
+            assert p.grad is None, f"backbone param {n} got a gradient"
+    ea.save_checkpoint(str(tmp_path / "m.pt"), model.eval())
+    loaded, _ = ea.load_checkpoint(str(tmp_path / "m.pt"))
+    assert loaded.shift_router is not None
+    torch.testing.assert_close(loaded.eval()(idx, lengths=lengths)[1]["z"], model(idx, lengths=lengths)[1]["z"])
+    with pytest.raises(ValueError, match="exclude"):
+        model.attach_routers(static=True, ranked=True)
+
+
 def test_balanced_answer_loss_weighs_every_task_alike():
     """Per sample the mean cross-entropy of its answer tokens, per task the mean over its samples,
     then the mean over tasks; shards of a batch (given the whole batch's task counts) add up to it."""
