@@ -141,7 +141,7 @@ def build_parser():
     g.add_argument("--router", choices=["mlp", "ranked"],
                    help="mlp: the paper's router, a logit per head from its pooled keys (default); ranked: one "
                         "learned ranking of the heads, shifted per input by a router on layer 0's keys")
-    g.add_argument("--rank-lr", type=float, help="ranked routers: the ranking's peak learning rate (default 1e-2)")
+    g.add_argument("--rank-lr", type=float, help="ranked routers: the ranking's peak learning rate (default 5e-3)")
     g.add_argument("--logit-penalty", type=float,
                    help="μ of a μ·mean(log α²) term for the routers (default: gpu, smollm2 0.03, tiny 0): keeps "
                         "their logits where the hard-concrete gate still passes gradient")
@@ -194,7 +194,7 @@ def settings_from(args):
         if getattr(args, key) is not None:
             P[key] = getattr(args, key)
     P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
-    P["router"], P["rank_lr"] = P.get("router", "mlp"), P.get("rank_lr", 1e-2)
+    P["router"], P["rank_lr"] = P.get("router", "mlp"), P.get("rank_lr", 5e-3)
     P["data_workers"] = args.data_workers
     P["deploy"] = args.deploy or P.get("deploy", "threshold")
     for key in ("logit_penalty", "router_init", "consistency"):
