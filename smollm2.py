@@ -854,9 +854,16 @@ def read_routers(path, n_layers=30, head_dim=64):
     with torch.device("meta"):  # the shapes a router of this model has, without making one
         want = router_lib.AttentionRouter(head_dim, saved.get("router_hidden_mult", 4)).state_dict()
     want = {k: tuple(v.shape) for k, v in want.items()}
-    got = [{k: tuple(getattr(v, "shape", ())) for k, v in r.items()} if isinstance(r, dict) else r
-           for r in ckpt["routers"]]
-    if got != [want] * n_layers:
+
+    def shapes(r):
+        return {k: tuple(getattr(v, "shape", ())) for k, v in r.items()} if isinstance(r, dict) else r
+    got = [shapes(r) for r in ckpt["routers"]]
+    if ckpt.get("shift_router") is not None:  # ranked routers: a logit per KV head per layer, one shift router
+        fits = shapes(ckpt["shift_router"]) == want and len(got) == n_layers and \
+            all(isinstance(r, dict) and list(r) == ["log_alpha"] for r in got)
+    else:
+        fits = got == [want] * n_layers
+    if not fits:
         raise ValueError(f"{path!r} holds routers of another model ({len(ckpt['routers'])} layers, head dim "
                          f"{saved.get('head_dim', '?')}): this one needs {n_layers} layers, head dim {head_dim}")
     return ckpt
@@ -865,9 +872,11 @@ def read_routers(path, n_layers=30, head_dim=64):
 def load_routers(model, ckpt):
     """Attach routers to `model` (already on its device and dtype: routers stay float32) and load
     the trained ones from a read_routers() checkpoint."""
-    model.attach_routers()
+    model.attach_routers(ranked=ckpt.get("shift_router") is not None)
     for layer, state in zip(model.layers, ckpt["routers"], strict=True):
         layer.self_attn.router.load_state_dict(state)
+    if model.shift_router is not None:
+        model.shift_router.load_state_dict(ckpt["shift_router"])
     return model
 
 
