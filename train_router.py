@@ -565,9 +565,7 @@ def resume_from(run, path, settings, static, steps, state):
     try:
         for layer, router_state in zip(state["model"].layers, ckpt["routers"], strict=True):
             layer.self_attn.router.load_state_dict(router_state)
-        if (ckpt.get("shift_router") is None) != (state["model"].shift_router is None):
-            raise ValueError("ranked and per-head routers differ")
-        if ckpt.get("shift_router") is not None:
+        if state["model"].shift_router is not None:  # ranked (the settings above say both runs are)
             state["model"].shift_router.load_state_dict(ckpt["shift_router"])
         for k in ("lagrangian", "optimizer", "scheduler"):
             state[k].load_state_dict(ckpt[k])
@@ -626,15 +624,17 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     params = model.attach_routers(static=static, init_logit=init, ranked=ranked)
     if not static and P.get("router_norm"):
         fit_router_inputs(run, model)
+    # Ranked routers: the per-head logits (the ranking) train at their own lr, the shift router at the routers'.
     rank = [p for r in model.routers for p in r.parameters()] if ranked else []
+    mlps = list(model.shift_router.parameters()) if ranked else params
     steps = P["static_steps" if static else "steps"]
     router_lib.freeze_backbone(model)
     model.train()
     lagrangian = router_lib.SparsityLagrangian(len(run.suite.tasks), targets, abs_variant=run.args.abs_lagrangian)
     lagrangian = lagrangian.to(run.device)
-    optimizer, scheduler = router_lib.build_optimizer(
-        [p for p in params if not any(p is q for q in rank)], lagrangian, steps, lambda_lr=P["lambda_lr"],
-        router_lr=P["static_lr" if static else "router_lr"], rank_params=rank, rank_lr=P["rank_lr"])
+    optimizer, scheduler = router_lib.build_optimizer(mlps, lagrangian, steps, lambda_lr=P["lambda_lr"],
+                                                      router_lr=P["static_lr" if static else "router_lr"],
+                                                      rank_params=rank, rank_lr=P["rank_lr"])
     step_model = torch.nn.parallel.DistributedDataParallel(model) if run.ddp else model
     state = dict(model=model, lagrangian=lagrangian, optimizer=optimizer, scheduler=scheduler)
     start, train_log = resume_from(run, resume, settings, static, steps, state) if resume else (0, [])

@@ -557,6 +557,28 @@ def test_read_routers_refuses_other_files(tmp_path):
         smollm2.read_routers(str(tmp_path / "router.pt"))
     assert len(smollm2.read_routers(str(tmp_path / "router.pt"), 4, 16)["routers"]) == 4
 
+
+def test_ranked_routers_round_trip_through_read_and_load_routers(tmp_path):
+    """A ranked run's router.pt (a logit per KV head per layer and one shift router) loads into a
+    fresh model that routes as the trained one did; offered to another shape it is refused."""
+    torch.manual_seed(0)
+    cfg = elastic_attention.Config.shape("tiny", vocab_size=40)
+    model = elastic_attention.Transformer(cfg).eval()
+    model.attach_routers(ranked=True)
+    with torch.no_grad():
+        for r in model.routers:
+            r.log_alpha.normal_()
+    torch.save(dict(settings=dict(config=dict(head_dim=cfg.head_dim)), static=False,
+                    routers=[r.state_dict() for r in model.routers], shift_router=model.shift_router.state_dict()),
+               tmp_path / "router.pt")
+    fresh = elastic_attention.Transformer(cfg).eval()
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if "router" not in k})
+    smollm2.load_routers(fresh, smollm2.read_routers(str(tmp_path / "router.pt"), cfg.n_layers, cfg.head_dim))
+    idx = torch.randint(0, 40, (2, 48))
+    assert torch.equal(torch.stack(fresh(idx)[1]["z"]), torch.stack(model(idx)[1]["z"]))
+    with pytest.raises(ValueError, match="routers of another model"):
+        smollm2.read_routers(str(tmp_path / "router.pt"), cfg.n_layers + 1, cfg.head_dim)
+
 # -----------------------------------------------------------------------------
 # The real model, only where its file is already cached (never downloaded by the tests).
 
