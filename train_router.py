@@ -821,7 +821,8 @@ def evaluate(run, model, choose=None, seq_len=None, names=None, split="eval"):
         results[name] = dict(score=cat[0].mean().item(), omega_msr=cat[1].mean().item(),
                              omega_esr=cat[2].mean().item(), omega_esr_last=cat[3].mean().item(),
                              full_frac=torch.cat([r[5] for r in got], 1).mean(1).tolist(),
-                             omegas=[round(w, 4) for w in cat[1].tolist()])
+                             omegas=[round(w, 4) for w in cat[1].tolist()],
+                             scores=cat[0].tolist())   # per input, in the order of omegas
     return results
 
 

@@ -65,6 +65,8 @@ def test_pipeline_writes_sane_outputs(quick_run):
     assert all(list(c) == ["0.000", "0.500", "1.000"] for c in curves.values())
     assert len(res["train_log"]) == 3 and len(res["static_log"]) == 3
     assert len(res["results"]["elastic"]["passkey"]["omegas"]) == 4  # one Ω per held-out input
+    per_input = res["results"]["elastic"]["passkey"]["scores"]
+    assert len(per_input) == 4 and sum(per_input) / 4 == pytest.approx(res["results"]["elastic"]["passkey"]["score"])
     assert len(res["retrieval_scores"]) == res["settings"]["config"]["n_layers"]
     assert res["hardware"]["torch"] == torch.__version__ and res["wall_time_s"] > 0
     for label in ("Elastic", "static score", "static trained", "all sparse"):
