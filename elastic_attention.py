@@ -280,15 +280,21 @@ class Attention(nn.Module):
         self.router = None      # an AttentionRouter, from Transformer.attach_routers()
         self.gumbel_tau = 1.0   # temperature of the "gumbel" training gate; the training loop anneals it
 
+    def router_keys(self, x):
+        """x (B, S, C) → the pre-RoPE keys (B, Hkv, S, D) a router reads (METHOD.md §4: after the key
+        norm if the model has QK-norm)."""
+        B, S, _ = x.shape
+        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        return self.k_norm(k) if self.cfg.qk_norm else k
+
     def project(self, x, cos, sin):
-        """x (B, S, C) → q (B, Hq, S, D), k (B, Hkv, S, D) after RoPE, v, and the pre-RoPE keys
-        the router reads (METHOD.md §4: after the key norm if the model has QK-norm)."""
+        """x (B, S, C) → q (B, Hq, S, D), k (B, Hkv, S, D) after RoPE, v, and the pre-RoPE keys."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)     # (B, Hq, S, D)
-        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        k = self.router_keys(x)                                                        # (B, Hkv, S, D)
         v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k
 
     def gate(self, log_alpha, u=None, debt=None):
@@ -563,7 +569,7 @@ class Transformer(nn.Module):
         shift = None
         if routed and self.shift_router is not None:  # ranked routers: one log α shift per input, from layer 0's keys
             first = self.layers[0]
-            k_pre = first.self_attn.project(first.input_layernorm(x), cos, sin)[3]          # (B, Hkv, S, D)
+            k_pre = first.self_attn.router_keys(first.input_layernorm(x))                    # (B, Hkv, S, D)
             shift = self.shift_router(k_pre, prompt_lengths).mean(1)                         # (B,)
         with masks.values_checked():   # the inputs are checked: no host syncs inside the layers
             for i, layer in enumerate(self.layers):
@@ -672,7 +678,7 @@ class Transformer(nn.Module):
 def load_hf_state_dict(model, hf_state):
     """Copy a HF Llama / Qwen3 state dict (model.layers.{i}.self_attn.q_proj.weight, …,
     lm_head.weight) into `model`. Raises on missing, unexpected or mis-shaped tensors."""
-    ours = {k: v for k, v in model.state_dict().items() if ".router." not in k and not k.startswith("shift_router.")}
+    ours = {k: v for k, v in model.state_dict().items() if not router_lib.is_router_param(k)}
     mapped = {}
     for name, tensor in hf_state.items():
         if name.endswith("rotary_emb.inv_freq"):
@@ -790,7 +796,7 @@ def load_checkpoint(path, cfg=None, map_location="cpu"):
     if unknown:
         raise ValueError(f"checkpoint {path!r} has unknown config fields {unknown} (written by other code?)")
     saved = Config(**ckpt["config"])
-    has_routers = any(".router." in k for k in ckpt["model"])
+    has_routers = any(router_lib.is_router_param(k) for k in ckpt["model"])
     if cfg is not None:
         free = FREE_FIELDS if has_routers else FREE_FIELDS + ROUTER_FIELDS
         diff = [f"{f.name} saved {getattr(saved, f.name)!r}, wanted {getattr(cfg, f.name)!r}"

@@ -441,6 +441,12 @@ def balanced_answer_loss(logits, targets, task_ids, task_counts):
 # -----------------------------------------------------------------------------
 # 4. Training plumbing: frozen backbone, the paper's AdamW groups and schedule.
 
+def is_router_param(name):
+    """Whether a model parameter (or state_dict key) belongs to the routers: layers.{i}.self_attn.router.*,
+    and the ranked routers' shift_router.*."""
+    return ".router." in name or name.startswith("shift_router.")
+
+
 def freeze_backbone(model):
     """Only the routers (layers.{i}.self_attn.router.*) stay trainable; returns their parameters.
 
@@ -451,7 +457,7 @@ def freeze_backbone(model):
         raise ValueError(f"{type(model).__name__} has no routers; call attach_routers() before freezing")
     trainable = []
     for name, p in model.named_parameters():
-        is_router = ".router." in name or name.startswith("shift_router.")  # layers.{i}.self_attn.router.*
+        is_router = is_router_param(name)
         p.requires_grad_(is_router)
         if is_router:
             trainable.append(p)
@@ -472,8 +478,8 @@ def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lamb
     routers' per-head logits; not in router_params) get a group of their own at rank_lr, no decay.
     """
     rank_params = list(rank_params)
-    checked = (("router_lr", router_lr), ("lambda_lr", lambda_lr)) + ((("rank_lr", rank_lr),) if rank_params else ())
-    for name, lr in checked:
+    lrs = dict(router_lr=router_lr, lambda_lr=lambda_lr, **(dict(rank_lr=rank_lr) if rank_params else {}))
+    for name, lr in lrs.items():
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
             raise ValueError(f"{name} must be a finite number > 0, got {lr!r}")
     if not isinstance(total_steps, int) or total_steps < 1:

@@ -679,7 +679,7 @@ def test_ranked_routers_shift_one_shared_ranking_per_input(tmp_path, restore_rng
     assert (offsets[0, 0, 0] - offsets[0, 1, 0]).abs() > 1e-3                # that differs between inputs
     first = model.layers[0]
     k0 = first.self_attn.project(first.input_layernorm(model.embed_tokens(idx)), model.rope_cos[:40],
-                                 model.rope_sin[:40])[3]
+                                 model.rope_sin[:40])[3]      # the keys layer 0 itself computes
     torch.testing.assert_close(offsets[0, :, 0], model.shift_router(k0, lengths).mean(1))
     lag = SparsityLagrangian(2, [router.SENSITIVE_TARGET, router.ROBUST_TARGET])
     opt, _ = build_optimizer([p for p in params if all(p is not q for q in rank)], lag, total_steps=10,
