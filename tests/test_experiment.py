@@ -338,12 +338,14 @@ def test_shipped_backbone_solves_every_task_dense():
         assert acc >= 0.95, f"{task.name}: dense accuracy {acc:.3f}"
 
 
-def test_two_processes_train_the_same_routers_as_one(tmp_path):
+@pytest.mark.parametrize("router", ["mlp", "ranked"])
+def test_two_processes_train_the_same_routers_as_one(tmp_path, router):
     """torchrun with 2 processes (gloo, CPU): each rank trains on its shard of the same global batch,
     so the routers end identical on both ranks and equal to a one-process run of that batch. The
     two-process run builds its batches in a worker process (--data-workers 1, the GPU default's
     path), the one-process run in place: the same batches either way."""
-    common = ["--steps", "3", "--batch-size", "4", "--eval-per-task", "4", "--no-static", "--curve-points", "2"]
+    common = ["--steps", "3", "--batch-size", "4", "--eval-per-task", "4", "--no-static", "--curve-points", "2",
+              "--router", router]
     one = run_script(*common, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -357,7 +359,8 @@ def test_two_processes_train_the_same_routers_as_one(tmp_path):
     assert res["world_size"] == 2 and res["max_param_diff_between_ranks"] == {"routers": 0.0}
     a = torch.load(tmp_path / "one" / "router.pt", weights_only=True)
     b = torch.load(tmp_path / "two" / "router.pt", weights_only=True)
-    for ra, rb in zip(a["routers"], b["routers"]):
+    assert (a["shift_router"] is None) == (b["shift_router"] is None) == (router == "mlp")
+    for ra, rb in zip(a["routers"] + [a["shift_router"] or {}], b["routers"] + [b["shift_router"] or {}]):
         for name in ra:
             torch.testing.assert_close(ra[name], rb[name], rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(a["lagrangian"]["lambda1"], b["lagrangian"]["lambda1"], rtol=1e-5, atol=1e-7)
