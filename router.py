@@ -448,7 +448,8 @@ def is_router_param(name):
 
 
 def freeze_backbone(model):
-    """Only the routers (layers.{i}.self_attn.router.*) stay trainable; returns their parameters.
+    """Only the routers (`is_router_param`: each layer's router, and a ranked model's shift router)
+    stay trainable; returns their parameters.
 
     Activations still carry gradients through the frozen layers (autograd needs them to reach the
     routers of earlier layers); only the backbone's weights get no .grad and no optimizer state.
@@ -457,9 +458,8 @@ def freeze_backbone(model):
         raise ValueError(f"{type(model).__name__} has no routers; call attach_routers() before freezing")
     trainable = []
     for name, p in model.named_parameters():
-        is_router = is_router_param(name)
-        p.requires_grad_(is_router)
-        if is_router:
+        p.requires_grad_(is_router_param(name))
+        if p.requires_grad:
             trainable.append(p)
     if not trainable:
         raise ValueError("model.routers has no parameters to train")

@@ -859,8 +859,8 @@ def read_routers(path, n_layers=30, head_dim=64):
         return {k: tuple(getattr(v, "shape", ())) for k, v in r.items()} if isinstance(r, dict) else r
     got = [shapes(r) for r in ckpt["routers"]]
     if ckpt.get("shift_router") is not None:  # ranked routers: a logit per KV head per layer, one shift router
-        fits = shapes(ckpt["shift_router"]) == want and len(got) == n_layers and \
-            all(isinstance(r, dict) and list(r) == ["log_alpha"] for r in got)
+        fits = (shapes(ckpt["shift_router"]) == want and len(got) == n_layers
+                and all(isinstance(r, dict) and list(r) == ["log_alpha"] for r in got))
     else:
         fits = got == [want] * n_layers
     if not fits:
