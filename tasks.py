@@ -339,12 +339,23 @@ def make_batch(tasks, batch_size, seq_len, window, sink, *, seed=None, generator
 
 
 def token_accuracy(logits, targets):
-    """(B, S, V) logits, (B, S) targets → (B,) fraction of each sample's answer tokens whose
-    argmax is right. Samples without answer tokens score NaN (none are generated)."""
+    """(B, S, V) logits, (B, S) targets (or only the scored positions: scored_positions) → (B,)
+    fraction of each sample's answer tokens whose argmax is right. Samples without answer tokens
+    score NaN (none are generated)."""
     answer = targets != IGNORE                                       # (B, S)
     correct = (logits.argmax(-1) == targets) & answer                # (B, S)
     n = answer.sum(1)
     return torch.where(n > 0, correct.sum(1).float() / n.clamp(min=1), torch.nan)  # (B,)
+
+
+def scored_positions(targets):
+    """(pos (B, K), tgt (B, K)): each row's scored (answer) positions, left-aligned, K = the most
+    in any row; unused slots have pos 0 and tgt IGNORE."""
+    scored = targets != IGNORE                                        # (B, S)
+    K = max(int(scored.sum(1).max()), 1)
+    order = torch.argsort((~scored).to(torch.int8), dim=1, stable=True)[:, :K]  # scored first, in order
+    tgt = torch.gather(targets, 1, order)                             # (B, K)
+    return torch.where(tgt != IGNORE, order, 0), tgt
 
 
 def retrieval_scores(rows, needle_pos, n_kv_heads):
@@ -370,7 +381,8 @@ def retrieval_scores(rows, needle_pos, n_kv_heads):
 class Suite:
     tasks: list             # Task-like: task_id (its index), name, category, metric ("accuracy" | "nll")
     batch: object           # batch(split, seed, names, size, seq_len) -> a make_batch dict of CPU tensors
-    score: object           # score(task name, logits (B, S, V), targets (B, S)) -> (B,) per sample
+    score: object           # score(task name, logits (B, K, V), targets (B, K)) -> (B,) per sample, at the
+                            # scored positions (scored_positions) or on the whole grid (K = S)
     text: str               # what the inputs are made of, for results.json
     tokenizer: object = None  # the real-text suite's tokenizer (None here)
 

@@ -808,8 +808,10 @@ def evaluate(run, model, choose=None, seq_len=None, names=None, split="eval"):
         modes = None if choose is None else choose(name, i)
         if modes is not None and modes.dim() == 2:
             modes = modes.unsqueeze(1).expand(-1, b["tokens"].shape[0], -1)
-        logits, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"])
-        mine.append((name, run.suite.score(name, logits, b["targets"]).float().cpu(), info["omega_msr"].float().cpu(),
+        pos, targets = tasks.scored_positions(b["targets"])  # the LM head runs only there: (B, S, V) is 6 GiB at 8K
+        logits, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"],
+                             logits_at=pos)
+        mine.append((name, run.suite.score(name, logits, targets).float().cpu(), info["omega_msr"].float().cpu(),
                      info["omega_esr"].float().cpu(), info["omega_esr_last"].float().cpu(),
                      torch.stack(info["z"]).float().cpu()))
     parts = [mine]

@@ -18,6 +18,7 @@ tokenizers = pytest.importorskip("tokenizers", reason="smollm2 needs `tokenizers
 import elastic_attention  # noqa: E402
 import masks  # noqa: E402
 import smollm2  # noqa: E402
+import tasks  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -332,7 +333,8 @@ def test_control_tokens_in_text_stay_text(tiny_tok, bpe):
 @pytest.fixture(autouse=True)
 def small_news(tmp_path_factory, monkeypatch):
     """A stand-in for the Lee news corpus (the real one comes in a 28 MB wheel): 90 short reports
-    in its format, one per line, in a cache folder of their own, with their sha256 as the expected one."""
+    in its format, one per line, each naming one of 45 mayors, in a cache folder of their own, with
+    their sha256 as the expected one."""
     import hashlib
     import random
     folder = tmp_path_factory.getbasetemp() / "news-cache"
@@ -341,8 +343,11 @@ def small_news(tmp_path_factory, monkeypatch):
         rng = random.Random(0)
         words = ("council river market storm harvest bridge festival school train harbour museum road "
                  "election orchard bakery library").split()
+        mayors = [a + b for a in ("Bar", "Cal", "Dor", "Fen", "Gil", "Hal", "Kes", "Lom", "Mar")
+                  for b in ("ton", "wick", "ley", "ford", "by")]  # each in two reports, 45 apart: the same split
         reports = [" ".join(f"The {rng.choice(words)} of town {i} was {rng.choice(['busy', 'quiet', 'closed'])} "
-                            f"on day {rng.randrange(1, 29)}, officials said." for _ in range(9)) for i in range(90)]
+                            f"on day {rng.randrange(1, 29)}, officials said." for _ in range(9))
+                   + f" Officials and Mayor {mayors[i % 45]} met on day {rng.randrange(1, 29)}." for i in range(90)]
         folder.mkdir(exist_ok=True)
         path.write_text("\n".join(reports) + "\n", encoding="utf-8")
     fetch = smollm2.fetch_news
@@ -431,6 +436,26 @@ def test_tasks_place_their_evidence(tiny_tok, batch):
             assert scored.isalnum()
 
 
+def test_continue_needs_only_the_window(tiny_tok):
+    """A continue prompt stops a few sentences into a report that fits in the window with the
+    scored tokens; the answer is that report's next tokens; no earlier paragraph shares a rare name
+    with it (a related report let the dense model predict names the window cannot see)."""
+    window = 512  # this test's 600-token vocabulary needs ~3x SmolLM2's tokens for a sentence
+    b = smollm2.make_batch(tiny_tok, ["continue"], 8, SEQ, seed=1, split="eval", window=window)
+    corpus = smollm2._Corpus.get(tiny_tok, "eval", "news")
+    n_related = 0
+    for r in range(8):
+        P, L = int(b["prompt_lengths"][r]), int(b["lengths"][r])
+        user = tiny_tok.decode(b["tokens"][r, :P]).rsplit("\n", 2)[0]   # the user turn, without the assistant header
+        _, *before, last = user.split("\n\n")                         # instruction, document paragraphs
+        answer = tiny_tok.decode(b["tokens"][r, P:L])
+        i = next(i for i, p in enumerate(corpus.paragraphs) if p.startswith(last + " " + answer))
+        assert len(tiny_tok.encode(last)) + smollm2.CONTINUE_TOKENS <= window
+        assert not any(corpus.paragraphs[j].startswith(x) for j in corpus.related[i] | {i} for x in before)
+        n_related += len(corpus.related[i])
+    assert n_related, "the check above means something: most reports have related ones"
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_needles_stay_beyond_window_and_sink(tiny_tok, seed):
     """Tight lengths, many draws: the placement's estimates must never break the guarantees."""
@@ -475,7 +500,7 @@ def test_scores():
     want0 = torch.nn.functional.cross_entropy(logits[0, 2:4], targets[0, 2:4])
     got = smollm2.nll(logits, targets)
     assert got[0] == pytest.approx(float(want0), rel=1e-6) and torch.isnan(got[2])
-    pos, tgt = smollm2.scored_positions(targets)
+    pos, tgt = tasks.scored_positions(targets)
     assert pos.tolist() == [[2, 3, 0], [1, 2, 3], [0, 0, 0]]
     assert tgt[1].tolist() == [3, 3, 4] and tgt[0, 2] == smollm2.IGNORE
 
@@ -491,7 +516,7 @@ def test_forward_scored_matches_the_model(tiny_file, tiny_tok, batch):
     logits, tgt = smollm2.forward_scored(model, sub, modes)
     with torch.no_grad():
         full, _ = model(idx, modes=modes)
-    pos, want_tgt = smollm2.scored_positions(sub["targets"])
+    pos, want_tgt = tasks.scored_positions(sub["targets"])
     ref = full[torch.arange(3)[:, None], pos]
     assert torch.equal(tgt, want_tgt)
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
@@ -606,3 +631,4 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     res = json.loads((out / "results.json").read_text())
     assert set(res["results"]["elastic"]) == {t.name for t in smollm2.TASKS}
     assert res["decoded_answers"] and len(res["train_log"]) == 2 and len(res["static_log"]) == 2
+
