@@ -884,9 +884,10 @@ def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
 
 # -----------------------------------------------------------------------------
 
-def read_routers(path, n_layers=30, head_dim=64):
+def read_routers(path, n_layers=30, head_dim=64, n_kv_heads=3):
     """The router checkpoint (router.pt) of a train_router.py run, or a ValueError saying why not.
-    Its routers must fit a model of n_layers layers and head dim head_dim (default: SmolLM2-135M's)."""
+    Its routers must fit a model of n_layers layers, head dim head_dim and (ranked routers, one
+    logit per KV head) n_kv_heads KV heads; the defaults are SmolLM2-135M's."""
     ckpt = elastic_attention.read_checkpoint(path, keys=("settings", "routers"))
     if ckpt.get("static"):
         raise ValueError(f"{path!r} holds trained static gates (static.pt), not routers: give the run's router.pt")
@@ -900,12 +901,13 @@ def read_routers(path, n_layers=30, head_dim=64):
     got = [shapes(r) for r in ckpt["routers"]]
     if ckpt.get("shift_router") is not None:  # ranked routers: a logit per KV head per layer, one shift router
         fits = (shapes(ckpt["shift_router"]) == want and len(got) == n_layers
-                and all(isinstance(r, dict) and list(r) == ["log_alpha"] for r in got))
+                and all(isinstance(r, dict) and r == {"log_alpha": (n_kv_heads,)} for r in got))
     else:
         fits = got == [want] * n_layers
     if not fits:
         raise ValueError(f"{path!r} holds routers of another model ({len(ckpt['routers'])} layers, head dim "
-                         f"{saved.get('head_dim', '?')}): this one needs {n_layers} layers, head dim {head_dim}")
+                         f"{saved.get('head_dim', '?')}): this one needs {n_layers} layers, head dim {head_dim}"
+                         f"{f', {n_kv_heads} KV heads' if ckpt.get('shift_router') is not None else ''}")
     return ckpt
 
 

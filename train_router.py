@@ -1043,7 +1043,7 @@ def decoded_answers(run, model):
         return {}
     import smollm2
     smollm2.load_routers(model, smollm2.read_routers(os.path.join(run.out_dir, "router.pt"), model.cfg.n_layers,
-                                                     model.cfg.head_dim))
+                                                     model.cfg.head_dim, model.cfg.n_kv_heads))
     model.eval()
     answers = {}
     for t in run.suite.tasks:

@@ -598,11 +598,14 @@ def test_ranked_routers_round_trip_through_read_and_load_routers(tmp_path):
                tmp_path / "router.pt")
     fresh = elastic_attention.Transformer(cfg).eval()
     fresh.load_state_dict({k: v for k, v in model.state_dict().items() if "router" not in k})
-    smollm2.load_routers(fresh, smollm2.read_routers(str(tmp_path / "router.pt"), cfg.n_layers, cfg.head_dim))
+    smollm2.load_routers(fresh, smollm2.read_routers(str(tmp_path / "router.pt"), cfg.n_layers, cfg.head_dim,
+                                                     cfg.n_kv_heads))
     idx = torch.randint(0, 40, (2, 48))
     assert torch.equal(torch.stack(fresh(idx)[1]["z"]), torch.stack(model(idx)[1]["z"]))
     with pytest.raises(ValueError, match="routers of another model"):
-        smollm2.read_routers(str(tmp_path / "router.pt"), cfg.n_layers + 1, cfg.head_dim)
+        smollm2.read_routers(str(tmp_path / "router.pt"), cfg.n_layers + 1, cfg.head_dim, cfg.n_kv_heads)
+    with pytest.raises(ValueError, match=f"needs {cfg.n_layers} layers, head dim {cfg.head_dim}, 3 KV heads"):
+        smollm2.read_routers(str(tmp_path / "router.pt"), cfg.n_layers, cfg.head_dim, 3)
 
 # -----------------------------------------------------------------------------
 # The real model, only where its file is already cached (never downloaded by the tests).
