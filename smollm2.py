@@ -525,7 +525,7 @@ class _Corpus:
         self.paragraphs = load_text(split, haystack)
         self.n_tokens = [len(tokenizer.encode(p)) for p in self.paragraphs]
         self.related = _related(self.paragraphs)
-        self.cuts = {}  # window -> the places a continue prompt may stop (cuts())
+        self.cuts = {}  # window -> the places a continue prompt may stop (cut_points)
 
     @classmethod
     def get(cls, tokenizer, split, haystack):
@@ -554,9 +554,11 @@ class _Corpus:
                 break
             i = (i + 1) % n
         i = (last + 1) % n if out else i
-        while i in skip:
+        for _ in range(n):  # the next paragraph not skipped; if every one is, nothing more is taken
+            if i not in skip:
+                break
             i = (i + 1) % n
-        sents = _sentences(self.paragraphs[i])
+        sents = [] if i in skip else _sentences(self.paragraphs[i])
         k, n_head = 0, 0
         while k < len(sents) - 1:  # never the whole paragraph
             cost = len(tokenizer.encode(" ".join(sents[:k + 1])))
@@ -849,7 +851,7 @@ def forward_scored(model, batch, modes=None):
     float32, targets (B, K)). Same numbers as model(tokens, modes=modes) at those positions, without
     the (B, S, V) tensor (49152 logits per token). For routers, call the model itself."""
     device = model.lm_head.weight.device
-    pos, tgt = tasks.scored_positions(batch["targets"])                     # (B, K), (B, K)
+    pos, tgt = tasks.scored_positions(batch["targets"])               # (B, K), (B, K)
     modes = None if modes is None else [m.to(device) for m in modes]
     logits, _ = model(batch["tokens"].to(device), modes=modes, logits_at=pos.to(device))  # (B, K, V)
     return logits.float(), tgt.to(device)

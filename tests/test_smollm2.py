@@ -6,6 +6,7 @@ installed. One test uses the real file when it is already cached (skipped otherw
 """
 import json
 import os
+import random
 import re
 
 import numpy as np
@@ -336,7 +337,6 @@ def small_news(tmp_path_factory, monkeypatch):
     in its format, one per line, each naming one of 45 mayors, in a cache folder of their own, with
     their sha256 as the expected one."""
     import hashlib
-    import random
     folder = tmp_path_factory.getbasetemp() / "news-cache"
     path = folder / os.path.basename(smollm2.NEWS_MEMBER)
     if not path.exists():
@@ -454,6 +454,8 @@ def test_continue_needs_only_the_window(tiny_tok):
         assert not any(corpus.paragraphs[j].startswith(x) for j in corpus.related[i] | {i} for x in before)
         n_related += len(corpus.related[i])
     assert n_related, "the check above means something: most reports have related ones"
+    everything = set(range(len(corpus.paragraphs)))  # a corpus whose paragraphs are all related: no hang
+    assert corpus.document(random.Random(0), 500, tiny_tok, skip=everything) == ([], [])
 
 
 @pytest.mark.parametrize("seed", range(4))
