@@ -636,4 +636,3 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     res = json.loads((out / "results.json").read_text())
     assert set(res["results"]["elastic"]) == {t.name for t in smollm2.TASKS}
     assert res["decoded_answers"] and len(res["train_log"]) == 2 and len(res["static_log"]) == 2
-
