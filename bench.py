@@ -25,7 +25,8 @@ Five tables, one per claim; ratios above 1 mean ours is faster.
                 so the ideal speedup over SDPA is full bytes / compact bytes.
     train       one router-training step (train_router.train_step: gates drawn, forward through the
                 frozen model, answer loss + Lagrangian, backward, AdamW) at the gpu and smollm2
-                presets' settings, random weights and tokens: ms per step, the share of it the GPU
+                presets' settings, random weights and tokens, run op by op (eager) and replayed as
+                a CUDA graph (what training does on one GPU): ms per step, the share of it the GPU
                 spends in kernels (torch.profiler), host-device synchronisations per step, and the
                 ops that take the most GPU time. What is not kernel time is launch and host work.
 
@@ -69,6 +70,7 @@ import decode  # noqa: E402
 import kernels  # noqa: E402
 import masks  # noqa: E402
 import router as router_lib  # noqa: E402
+import tasks  # noqa: E402
 import train_router  # noqa: E402
 import xattention  # noqa: E402
 from elastic_attention import Config, Transformer  # noqa: E402
@@ -502,7 +504,9 @@ def decode_table(args):
 
 
 TRAIN = dict(keys=[("preset", "s"), ("B", "d"), ("S", "d")],
-             times=[("step_ms", ".1f"), ("gpu_busy", ".0%"), ("syncs", "d")], checks=[("loss", ".3f")])
+             times=[("eager_ms", ".1f"), ("graph_ms", ".1f"), ("speedup", ".2f"), ("eager_busy", ".0%"),
+                    ("graph_busy", ".0%"), ("syncs", "d"), ("graph_syncs", "d")],
+             checks=[("loss", ".3f"), ("graph_loss", ".3f")])
 
 
 def train_batch(cfg, B, S, gen):
@@ -515,13 +519,16 @@ def train_batch(cfg, B, S, gen):
     targets = torch.where(pos >= prompt_lengths[:, None] - 1, tokens.roll(-1, 1), -100)
     targets[:, -1] = -100
     task_ids = torch.arange(B) % 4
-    return dict(tokens=tokens, prompt_lengths=prompt_lengths, targets=targets, task_ids=task_ids,
-                task_counts=torch.bincount(task_ids, minlength=4), n_answer=(targets != -100).sum())
+    answer_pos, answers = tasks.scored_positions(targets)
+    return dict(tokens=tokens, prompt_lengths=prompt_lengths, answer_pos=answer_pos, answers=answers,
+                task_ids=task_ids, task_counts=torch.bincount(task_ids, minlength=4), n_answer=(answers != -100).sum())
 
 
 def train_row(preset, shape, dtype, B, S, args, gen):
-    """One preset: train_router.train_step timed over 10 steps after 3 of warm-up; gpu_busy the GPU
-    kernel time over the wall time of 3 profiled steps; syncs counted by torch's sync debug mode."""
+    """One preset: train_router.train_step run op by op (eager) and replayed as a CUDA graph
+    (train_router.StepGraph), each from the same weights and batch, timed over 10 steps after 3 of
+    warm-up; busy: GPU kernel time over the wall time of 3 profiled steps; syncs: host-device
+    synchronisations in one step (torch's sync debug mode); loss: the first step's."""
     flags = train_router.build_parser().parse_args(
         ["--preset", preset, "--batch-size", str(B), "--seq-len", str(S), "--device", DEVICE, "--seed", str(args.seed)])
     P, _ = train_router.settings_from(flags)
@@ -532,38 +539,51 @@ def train_row(preset, shape, dtype, B, S, args, gen):
     model.train()
     run = train_router.Run(P, flags, torch.device(DEVICE), None, None)   # the step needs no task suite
     lagrangian = router_lib.SparsityLagrangian(4, [0.7, 0.7, 0.95, 0.95]).to(DEVICE)
-    optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, 10 ** 6, P["router_lr"], P["lambda_lr"])
     sens = torch.tensor([True, True, False, False], device=DEVICE)
     b = {k: v.to(DEVICE) for k, v in train_batch(model.cfg, B, S, gen).items()}
+    start = [{k: v.clone() for k, v in m.state_dict().items()} for m in (model, lagrangian)]
+    rec = dict(preset=preset, B=B, S=S)
+    graphed = [("graph_", train_router.StepGraph(params + list(lagrangian.parameters())))] if CUDA else []
+    for name, graph in [("", None)] + graphed:
+        for m, state in zip((model, lagrangian), start):   # both from the same routers and λ, AdamW afresh
+            m.load_state_dict(state)
+        optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, 10 ** 6, P["router_lr"], P["lambda_lr"])
 
-    def step():
-        return train_router.train_step(run, model, model, lagrangian, optimizer, scheduler, params, sens, b, False, 0)
-    rec = dict(preset=preset, B=B, S=S, loss=step()["loss"])
-    if not CUDA:
-        return rec
-    for _ in range(3):
-        step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        step()
-    sync()
-    rec["step_ms"] = 1e3 * (time.perf_counter() - t0) / 10
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        step()
-        torch.cuda.set_sync_debug_mode(0)
-    rec["syncs"] = sum("synchroniz" in str(w.message) for w in caught)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        sync()
-        t0 = time.perf_counter()
+        def step():
+            return train_router.train_step(run, model, model, lagrangian, optimizer, scheduler, params, sens, b,
+                                           False, 0, graph)
+        rec[name + "loss"] = step()["loss"]
+        if not CUDA:
+            continue
         for _ in range(3):
             step()
         sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step()
+        sync()
+        rec[(name or "eager_") + "ms"] = 1e3 * (time.perf_counter() - t0) / 10
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            step()
+            torch.cuda.set_sync_debug_mode(0)
+        rec[name + "syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+    if not CUDA:
+        return rec
+    model.load_state_dict(start)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:   # eager: kernels by op
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            train_router.train_step(run, model, model, lagrangian, optimizer, scheduler, params, sens, b, False, 0)
+        sync()
         wall_us = 1e6 * (time.perf_counter() - t0)
     events = prof.key_averages()   # torch ops (CPU) and the kernels they launched (CUDA), each once
-    rec["gpu_busy"] = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / wall_us
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 3
+    rec["eager_busy"] = 3 * kernel_us / wall_us
+    rec["graph_busy"] = kernel_us / (1e3 * rec["graph_ms"])   # a replay runs the same kernels
+    rec["speedup"] = rec["eager_ms"] / rec["graph_ms"]
     ops = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: -e.self_device_time_total)
     rec["top_ops"] = [(e.key[:60], e.self_device_time_total / 3e3, e.count // 3) for e in ops[:8]]
     return rec

@@ -471,7 +471,7 @@ class Transformer(nn.Module):
             raise ValueError(f"idx has no tokens: (B, S) = {tuple(idx.shape)}")
         if idx.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
-        if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
+        if masks.checking_values() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got min {idx.min().item()} "
                              f"max {idx.max().item()}")
 
@@ -492,6 +492,8 @@ class Transformer(nn.Module):
                     or v.dtype == torch.bool:
                 raise ValueError(f"{name} must be {kind} tensors on the tokens' device {device}, got {v.dtype} "
                                  f"on {v.device}")
+        if not masks.checking_values():   # inside masks.values_checked(): the caller vouches for the values
+            return
         values = torch.stack(list(values))    # one host sync for every layer's values
         if name == "modes":
             masks.check_mode_values(values)
@@ -506,7 +508,7 @@ class Transformer(nn.Module):
             want = "(B,)" if dims == 1 else "(B, K)"
             raise ValueError(f"{name} must be an integer tensor {want} with B={B} on the tokens' device "
                              f"{device}, got {positions!r}")
-        if ((positions < 0) | (positions >= S)).any():
+        if masks.checking_values() and ((positions < 0) | (positions >= S)).any():
             raise ValueError(f"{name} must be positions in [0, S={S}), got {positions.tolist()}")
 
     def check_inputs(self, B, S, device, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at, routed):
@@ -519,11 +521,12 @@ class Transformer(nn.Module):
                 self.check_per_layer(name, values, B, device)
         masks.check_lengths(lengths, B, S)
         masks.check_lengths(prompt_lengths, B, S, name="prompt_lengths")
-        if lengths is not None and prompt_lengths is not None and (prompt_lengths > lengths).any():
+        if (lengths is not None and prompt_lengths is not None and masks.checking_values()
+                and (prompt_lengths > lengths).any()):
             raise ValueError(f"prompt_lengths must not exceed lengths (the router would pool padding), got "
                              f"{prompt_lengths.tolist()} and {lengths.tolist()}")
         skip = self.cfg.pool_skip
-        if routed and skip:
+        if routed and skip and masks.checking_values():
             reads = prompt_lengths if prompt_lengths is not None else lengths
             if (S if reads is None else int(reads.min())) <= skip:
                 raise ValueError(f"every prompt length must exceed the {skip} preamble tokens the routers skip, "
@@ -579,7 +582,8 @@ class Transformer(nn.Module):
                                   lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache,
                                   debt=debt, shift=shift)
                 records.append(record)
-        if routed and torch.stack([r["log_alpha"] for r in records]).isnan().any():  # NaN > 0 is False: taken as sparse
+        # NaN > 0 is False: a NaN log α would silently be taken as sparse
+        if routed and masks.checking_values() and torch.stack([r["log_alpha"] for r in records]).isnan().any():
             raise ValueError(f"log α has NaN entries in layers "
                              f"{[i for i, r in enumerate(records) if r['log_alpha'].isnan().any()]}: a router's output "
                              f"is not a number")

@@ -94,7 +94,9 @@ def values_checked():
     """Inside this block the checks that read a tensor's values on the host (modes, lengths, log α;
     each a device synchronisation) are skipped, as torch.no_grad() skips autograd. The model enters
     it after checking its inputs once, so that its layers' calls into the kernels and routers do not
-    each stall the GPU. Checks of shapes, dtypes and devices still run."""
+    each stall the GPU; the training step's CUDA graph is recorded inside it, since a host sync cannot
+    be recorded (train_router.StepGraph: its warm-up run checks the inputs). Checks of shapes, dtypes
+    and devices still run."""
     token = _CHECK_VALUES.set(False)
     try:
         yield

@@ -61,6 +61,7 @@ from tqdm import tqdm  # noqa: E402
 
 import elastic_attention  # noqa: E402
 import kernels  # noqa: E402
+import masks  # noqa: E402
 import router as router_lib  # noqa: E402
 import tasks  # noqa: E402
 from elastic_attention import HEAD_CONFIGS  # noqa: E402
@@ -172,8 +173,10 @@ def build_parser():
                    help="attention code (default: tiny torch; gpu, smollm2 auto): auto = the Triton kernel on a GPU "
                         "where it supports the call, else PyTorch; torch; triton (on a CPU: set TRITON_INTERPRET=1, "
                         "Triton's interpreter); reference (naive, O(S²) memory)")
-    g.add_argument("--data-workers", type=int, help="processes building the next training batches (default: 2 on a "
+    g.add_argument("--data-workers", type=int, help="processes building the next training batches (default: 4 on a "
                                                  "GPU, 0 on the CPU = built in place, easy to step into)")
+    g.add_argument("--eager", action="store_true", help="on a GPU, run each training step op by op instead of "
+                                                       "replaying it as a CUDA graph (slower; a debugger can step in)")
     g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
     g.add_argument("--curve-points", type=int, help="points of the progressive-sparsification curve (default 11)")
     g.add_argument("--calib-per-task", type=int, help="calibration prompts per task (training text, never trained "
@@ -199,6 +202,7 @@ def settings_from(args):
     P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
     P["router"], P["rank_lr"] = P.get("router", "mlp"), P.get("rank_lr", 5e-3)
     P["data_workers"] = args.data_workers
+    P["cuda_graph"] = not args.eager
     P["deploy"] = args.deploy or P.get("deploy", "threshold")
     for key in ("logit_penalty", "router_init", "consistency"):
         P[key] = getattr(args, key) if getattr(args, key) is not None else P.get(key, 0.0)
@@ -524,7 +528,10 @@ class TrainBatches(torch.utils.data.Dataset):
     def __getitem__(self, j):
         run = self.run
         whole = run.batch("train", j, run.P["batch_size"], to_device=False)
-        return dict({k: v[run.rank::run.world] for k, v in whole.items()}, n_answer=(whole["targets"] != -100).sum(),
+        # The loss reads the answer positions alone, so the LM head runs only there (a (B, S, V) logit grid
+        # is SmolLM2's biggest tensor); K is the most answer tokens of any input of the global batch.
+        whole["answer_pos"], whole["answers"] = tasks.scored_positions(whole.pop("targets"))   # (B, K) each
+        return dict({k: v[run.rank::run.world] for k, v in whole.items()}, n_answer=(whole["answers"] != -100).sum(),
                     task_counts=torch.bincount(whole["task_ids"], minlength=len(run.suite.tasks)))
 
 
@@ -532,7 +539,7 @@ def train_batches(run, start, steps):
     """Batches start, start + 1, ... in order. On a GPU, worker processes build the next ones on the
     CPU while the GPU runs this step (building a real-text batch takes about as long as a step); on
     the CPU, the batch is built in place, so a debugger can step into it. Same batches either way."""
-    workers = run.P["data_workers"] if run.P["data_workers"] is not None else 2 * (run.device.type == "cuda")
+    workers = run.P["data_workers"] if run.P["data_workers"] is not None else 4 * (run.device.type == "cuda")
     return torch.utils.data.DataLoader(TrainBatches(run), batch_size=None, sampler=range(start, steps),
                                        num_workers=workers, pin_memory=workers > 0 and run.device.type == "cuda",
                                        prefetch_factor=4 if workers else None)
@@ -578,18 +585,25 @@ def resume_from(run, path, settings, static, steps, state):
     return ckpt["step"], ckpt["log"]
 
 
-def gate_loss(run, model, step_model, lagrangian, b, static, step):
-    """One step's loss (answer loss + Lagrangian [+ μ·mean log α²] [+ consistency]) and the model's info.
-    step_model: the model, or its DistributedDataParallel wrapper."""
-    P, cfg, B = run.P, model.cfg, run.P["batch_size"]
+def gate_noise(run, cfg, static, step):
+    """This rank's rows of the step's uniform gate noise (L, B / world, Hkv): one draw for the global
+    batch, so that sharding does not change the gates."""
+    B = run.P["batch_size"]
     noise = torch.rand(cfg.n_layers, B, cfg.n_kv_heads, generator=noise_generator(run.args.seed, static, step))
-    noise = noise[:, run.rank::run.world].to(run.device)  # one draw for the global batch, sharded
+    return noise[:, run.rank::run.world].to(run.device)
+
+
+def gate_loss(run, model, step_model, lagrangian, b, static):
+    """One step's loss (answer loss + Lagrangian [+ μ·mean log α²] [+ consistency]) on batch b (its
+    gate noise in b["gate_noise"]) -> ((loss, lm, reg), Ω_MSR (B,), log α (L, B, Hkv)). No host sync:
+    a CUDA graph can hold it. step_model: the model, or its DistributedDataParallel wrapper."""
+    P, cfg, B = run.P, model.cfg, run.P["batch_size"]
     logits, info = step_model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"],
-                                  gate_noise=noise)
+                              gate_noise=b["gate_noise"], logits_at=b["answer_pos"])   # logits (B, K, V)
     if P.get("loss") == "balanced":
-        lm = router_lib.balanced_answer_loss(logits, b["targets"], b["task_ids"], b["task_counts"])
+        lm = router_lib.balanced_answer_loss(logits, b["answers"], b["task_ids"], b["task_counts"])
     else:
-        lm = answer_loss(logits, b["targets"], b["n_answer"])
+        lm = answer_loss(logits, b["answers"], b["n_answer"])
     reg = lagrangian(info["omega_msr"], b["task_ids"], b["task_counts"])
     log_alpha = torch.stack(info["log_alpha"])  # (L, B / world, Hkv), a copy: the step updates static gates in place
     loss = lm + reg
@@ -598,22 +612,82 @@ def gate_loss(run, model, step_model, lagrangian, b, static, step):
     if P["consistency"] and not static:  # over this shard's inputs of a task (the whole batch on one GPU)
         loss = loss + P["consistency"] * router_lib.consistency_penalty(
             log_alpha, b["task_ids"], b["task_counts"].numel()).sum() / B
-    return (loss, lm, reg), info, log_alpha.detach()
+    return (loss, lm, reg), info["omega_msr"], log_alpha.detach()
 
 
-def log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, lr):
+def log_row(run, model, lagrangian, sens, step, parts, omega, log_alpha, b, lr):
     """One line of the training log; one host sync for all of it. Ω per category over this shard;
-    sens (T,) bool: which task ids are sensitive."""
+    sens (T,) bool: which task ids are sensitive. A loss that is not a number stops the run here."""
     loss, lm, reg = parts
-    omega, is_sens, lam = info["omega_msr"].detach(), sens[b["task_ids"]].float(), lagrangian.lambda1.detach()
+    omega, is_sens, lam = omega.detach(), sens[b["task_ids"]].float(), lagrangian.lambda1.detach()
     active = router_lib.prob_gradient(log_alpha).mean() if model.cfg.gate == "hard-concrete" else \
         torch.ones((), device=run.device)  # share of this shard's gate draws passing gradient (Gumbel: all)
     w = run.world
     logged = torch.stack([loss * w, lm * w, reg * w, active,
                           (omega * is_sens).sum() / is_sens.sum(), (omega * (1 - is_sens)).sum() / (1 - is_sens).sum(),
                           lam[sens].mean(), lam[~sens].mean()]).tolist()
+    if not math.isfinite(logged[0]):   # the model skips its NaN checks inside a training step (masks.values_checked)
+        fail(f"step {step}: the loss is {logged[0]} (lm {logged[1]}, reg {logged[2]}); log α has "
+             f"{int(log_alpha.isnan().sum())} NaN entries")
     return dict(step=step, **dict(zip(("loss", "lm", "reg", "gate_active", "omega_sensitive", "omega_robust",
                                        "lambda1_sensitive", "lambda1_robust"), logged)), lr=lr)
+
+
+def replays_as_graph(run, model):
+    """Whether the training steps replay as a CUDA graph (StepGraph): on one GPU (DDP's all-reduce is
+    not recorded), with the hard-concrete gate (the Gumbel gate's temperature changes every step), and
+    with attention in the fused kernel, which needs no host sync (the torch backend asks whether the
+    heads share a mode; XAttention's block selection is not recorded either)."""
+    cfg = model.cfg
+    if run.device.type != "cuda" or not run.P["cuda_graph"] or run.ddp or cfg.gate != "hard-concrete":
+        return False
+    probe = torch.empty(1, 1, 1, cfg.head_dim, dtype=next(model.parameters()).dtype, device=run.device)
+    fused = kernels.prefill_backend(cfg.backend, probe) == "triton"
+    return fused and masks.BLOCK_SPARSE not in HEAD_CONFIGS[cfg.head_config]
+
+
+class StepGraph:
+    """A training step's forward, loss and backward recorded once as a CUDA graph, then replayed.
+    The frozen model's step is thousands of small kernels (SmolLM2: ~6500), and launching them one by
+    one from Python took longer than running them; a replay launches them all at once. Each step's
+    batch is copied into the recording's own input tensors; its outputs, and the parameters' .grad,
+    are the same tensors at every replay (.grad is never set to None between steps). A batch of
+    another shape (fewer tasks than samples: another answer length) gets a recording of its own. A
+    recording cannot hold a host sync, so it runs inside masks.values_checked(); the eager warm-up
+    run before it checks the input values and compiles the kernels."""
+
+    def __init__(self, params):
+        self.params, self.recordings = list(params), {}
+
+    def __call__(self, fn, inputs):
+        """fn(inputs), inputs a dict of device tensors, replayed from the recording for their shapes."""
+        shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
+        if shapes not in self.recordings:
+            self.recordings[shapes] = self.record(fn, inputs)
+        graph, static_inputs, outputs, grads = self.recordings[shapes]
+        for k, v in inputs.items():
+            static_inputs[k].copy_(v)
+        for p, g in zip(self.params, grads):
+            p.grad = g   # this recording's gradient tensors, which its replay writes
+        graph.replay()
+        return outputs
+
+    def record(self, fn, inputs):
+        static_inputs = {k: v.clone() for k, v in inputs.items()}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        for p in self.params:
+            p.grad = None
+        with torch.cuda.stream(side):   # the warm-up run of torch.cuda.graph's recipe, with the value checks
+            fn(static_inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        for p in self.params:
+            p.grad = None   # the recorded backward then allocates .grad itself
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the data loader's pin-memory thread may allocate while this thread records
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"), masks.values_checked():
+            outputs = fn(static_inputs)
+        return graph, static_inputs, outputs, [p.grad for p in self.params]
 
 
 def train_gates(run, model, settings, static, targets, path, resume=None):
@@ -639,6 +713,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
                                                       router_lr=P["static_lr" if static else "router_lr"],
                                                       rank_params=rank, rank_lr=P["rank_lr"])
     step_model = torch.nn.parallel.DistributedDataParallel(model) if run.ddp else model
+    graph = StepGraph(params + list(lagrangian.parameters())) if replays_as_graph(run, model) else None
     state = dict(model=model, lagrangian=lagrangian, optimizer=optimizer, scheduler=scheduler)
     start, train_log = resume_from(run, resume, settings, static, steps, state) if resume else (0, [])
 
@@ -668,7 +743,8 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
         if cfg.gate == "gumbel":
             model.set_gumbel_tau(router_lib.tau_cosine(step / steps))
         b = {k: v.to(run.device, non_blocking=True) for k, v in b.items()}
-        row = train_step(run, model, step_model, lagrangian, optimizer, scheduler, params, sens, b, static, step)
+        row = train_step(run, model, step_model, lagrangian, optimizer, scheduler, params, sens, b, static, step,
+                         graph)
         row["ms"] = 1000 * (time.time() - t0)  # wall time, data waits included
         t0 = time.time()
         train_log.append(row)
@@ -687,11 +763,20 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     return train_log, params
 
 
-def train_step(run, model, step_model, lagrangian, optimizer, scheduler, params, sens, b, static, step):
-    """One optimiser step of the gates (and λ) on batch b, already on the device; returns its log row."""
-    parts, info, log_alpha = gate_loss(run, model, step_model, lagrangian, b, static, step)
-    optimizer.zero_grad(set_to_none=True)
-    (parts[0] * run.world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
+def train_step(run, model, step_model, lagrangian, optimizer, scheduler, params, sens, b, static, step, graph=None):
+    """One optimiser step of the gates (and λ) on batch b, already on the device; returns its log row.
+    graph: a StepGraph that replays the loss and its backward (one GPU), or None: run them eagerly."""
+    def loss_and_grads(b):
+        out = gate_loss(run, model, step_model, lagrangian, b, static)
+        (out[0][0] * run.world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
+        return out
+
+    b = dict(b, gate_noise=gate_noise(run, model.cfg, static, step))
+    if graph is None:
+        optimizer.zero_grad(set_to_none=True)
+        parts, omega, log_alpha = loss_and_grads(b)
+    else:
+        parts, omega, log_alpha = graph(loss_and_grads, b)
     if run.ddp:  # λ lives outside the DDP module: average its gradient over the ranks the same way
         for p in lagrangian.parameters():
             dist.all_reduce(p.grad)
@@ -700,7 +785,7 @@ def train_step(run, model, step_model, lagrangian, optimizer, scheduler, params,
         torch.nn.utils.clip_grad_norm_(params, run.P["clip"])
     optimizer.step()
     scheduler.step()
-    return log_row(run, model, lagrangian, sens, step, parts, info, log_alpha, b, scheduler.get_last_lr()[0])
+    return log_row(run, model, lagrangian, sens, step, parts, omega, log_alpha, b, scheduler.get_last_lr()[0])
 
 
 def stop_if_interrupted(run, interrupted, save, static, path, done):

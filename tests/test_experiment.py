@@ -373,6 +373,30 @@ def test_two_processes_train_the_same_routers_as_one(tmp_path, router):
 
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("router", ["mlp", "ranked"])
+def test_graphed_steps_train_what_eager_steps_train(tmp_path, router):
+    """On one GPU each training step replays a CUDA graph (train_router.StepGraph): the same log and
+    routers as --eager, op by op. Batches of 2 rotate the tasks, so the answer length K (a batch's
+    shape) changes between steps, and the step is recorded afresh; the static stage records its own."""
+    common = ["--device", "cuda", "--backend", "auto", "--router", router, "--steps", "8", "--static-steps", "4",
+              "--batch-size", "2", "--eval-per-task", "4", "--curve-points", "2"]
+    eager = run_script(*common, "--eager", "--out", str(tmp_path / "eager"))
+    graph = run_script(*common, "--out", str(tmp_path / "graph"))
+    assert eager.returncode == 0 and graph.returncode == 0, eager.stderr[-3000:] + graph.stderr[-3000:]
+    logs = [json.loads((tmp_path / d / "results.json").read_text()) for d in ("eager", "graph")]
+    for key in ("train_log", "static_log"):
+        for a, b in zip(logs[0][key], logs[1][key], strict=True):
+            for stat in ("loss", "omega_sensitive", "omega_robust", "lambda1_sensitive", "gate_active"):
+                assert a[stat] == pytest.approx(b[stat], rel=1e-5, abs=1e-6), (key, a["step"], stat)
+    a, b = (torch.load(tmp_path / d / "router.pt", weights_only=True) for d in ("eager", "graph"))
+    for ra, rb in zip(a["routers"] + [a["shift_router"] or {}], b["routers"] + [b["shift_router"] or {}],
+                      strict=True):
+        for name in ra:
+            torch.testing.assert_close(ra[name], rb[name], rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(a["lagrangian"]["lambda1"], b["lagrangian"]["lambda1"], rtol=1e-5, atol=1e-7)
+
+
 def test_seeds_run_one_process_each_and_aggregate(tmp_path):
     """--seeds: one run per seed in <out>/seed<N>, then mean ± sd over them in <out>/results.json."""
     proc = run_script("--seeds", "0,1", "--steps", "2", "--eval-per-task", "2", "--batch-size", "2",

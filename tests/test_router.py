@@ -719,6 +719,10 @@ def test_balanced_answer_loss_weighs_every_task_alike():
     assert abs(got.item() - want.item()) < 1e-5
     shards = sum(balanced_answer_loss(logits[r::2], targets[r::2], task_ids[r::2], counts) for r in range(2))
     assert abs(shards.item() - want.item()) < 1e-5
+    from tasks import scored_positions   # as training computes it: the logits at the answer positions alone
+    pos, answers = scored_positions(targets)
+    at = balanced_answer_loss(logits[torch.arange(B)[:, None], pos], answers, task_ids, counts)
+    assert abs(at.item() - want.item()) < 1e-5
 
 
 @FAST
