@@ -571,7 +571,8 @@ def train_row(preset, shape, dtype, B, S, args, gen):
         rec[name + "syncs"] = sum("synchroniz" in str(w.message) for w in caught)
     if not CUDA:
         return rec
-    model.load_state_dict(start)
+    for m, state in zip((model, lagrangian), start):
+        m.load_state_dict(state)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:   # eager: kernels by op
         sync()
         t0 = time.perf_counter()
