@@ -683,6 +683,7 @@ class StepGraph:
         torch.cuda.current_stream().wait_stream(side)
         for p in self.params:
             p.grad = None   # the recorded backward then allocates .grad itself
+        torch.cuda.empty_cache()   # the warm-up's cached blocks are not the recording's: give them back
         graph = torch.cuda.CUDAGraph()
         # thread_local: the data loader's pin-memory thread may allocate while this thread records
         with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"), masks.values_checked():
@@ -763,6 +764,9 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     return train_log, params
 
 
+STEP_INPUTS = ("tokens", "lengths", "prompt_lengths", "answer_pos", "answers", "task_ids", "task_counts", "n_answer")
+
+
 def train_step(run, model, step_model, lagrangian, optimizer, scheduler, params, sens, b, static, step, graph=None):
     """One optimiser step of the gates (and λ) on batch b, already on the device; returns its log row.
     graph: a StepGraph that replays the loss and its backward (one GPU), or None: run them eagerly."""
@@ -771,7 +775,9 @@ def train_step(run, model, step_model, lagrangian, optimizer, scheduler, params,
         (out[0][0] * run.world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
         return out
 
-    b = dict(b, gate_noise=gate_noise(run, model.cfg, static, step))
+    # What the loss reads, and nothing else: a recording is made per shape of these (needle positions,
+    # say, vary from batch to batch), and each holds a step's activations.
+    b = dict({k: b[k] for k in STEP_INPUTS if k in b}, gate_noise=gate_noise(run, model.cfg, static, step))
     if graph is None:
         optimizer.zero_grad(set_to_none=True)
         parts, omega, log_alpha = loss_and_grads(b)
