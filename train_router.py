@@ -528,6 +528,10 @@ class TrainBatches(torch.utils.data.Dataset):
     def __getitem__(self, j):
         run = self.run
         whole = run.batch("train", j, run.P["batch_size"], to_device=False)
+        tokens, S = whole["tokens"], run.P["seq_len"]
+        if tokens.shape[1] < S:   # real-text batches end at their longest input: pad them all to one shape,
+            whole.setdefault("lengths", torch.full((len(tokens),), tokens.shape[1]))   # StepGraph's recording's
+            whole["tokens"] = F.pad(tokens, (0, S - tokens.shape[1]))   # (padding changes no real token's output)
         # The loss reads the answer positions alone, so the LM head runs only there (a (B, S, V) logit grid
         # is SmolLM2's biggest tensor); K is the most answer tokens of any input of the global batch.
         whole["answer_pos"], whole["answers"] = tasks.scored_positions(whole.pop("targets"))   # (B, K) each
