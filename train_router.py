@@ -643,7 +643,8 @@ def replays_as_graph(run, model):
     """Whether the training steps replay as a CUDA graph (StepGraph): on one GPU (DDP's all-reduce is
     not recorded), with the hard-concrete gate (the Gumbel gate's temperature changes every step), and
     with attention in the fused kernel, which needs no host sync (the torch backend asks whether the
-    heads share a mode; XAttention's block selection is not recorded either)."""
+    heads share a mode). Head configurations with XAttention heads run op by op: their recording is
+    untested."""
     cfg = model.cfg
     if run.device.type != "cuda" or not run.P["cuda_graph"] or run.ddp or cfg.gate != "hard-concrete":
         return False
