@@ -118,19 +118,22 @@ if HAS_TRITON:
     def _xattn_antidiagonal_tile(q_rows, k_base, q_group, k_group, row_ok, S, D,
                                  stride_qs, stride_qd, stride_ks, stride_kd,
                                  T: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_D: tl.constexpr):
+                                 BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
         """acc[r, c] = Σ_t q[iT + T-1-t] · k[jT + t] with i = q_group[r], j = k_group[c]:
-        T small matmuls (ROWS × D) @ (D × BLOCK_N), one per step t along the antidiagonals."""
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D                                            # BLOCK_D is D rounded up to 2^k
+        small matmuls (ROWS × BLOCK_K) @ (BLOCK_K × BLOCK_N), one per step t along the antidiagonals
+        and BLOCK_K-wide slice of D, in one loop (Triton pipelines the loads of one loop)."""
+        D_STEPS: tl.constexpr = BLOCK_D // BLOCK_K
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for t in range(T):
+        for step in range(T * D_STEPS):
+            t = step // D_STEPS
+            offs_d = (step % D_STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
+            d_ok = offs_d < D                                        # BLOCK_D is D rounded up to 2^k
             q_pos = q_group * T + (T - 1 - t)                        # (ROWS,)   queries walk down…
             k_pos = k_group * T + t                                  # (BLOCK_N,) …while keys walk up
             q = tl.load(q_rows[:, None] + q_pos[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                        mask=(row_ok & (q_pos < S))[:, None] & d_ok[None, :], other=0.0)  # (ROWS, BLOCK_D)
+                        mask=(row_ok & (q_pos < S))[:, None] & d_ok[None, :], other=0.0)  # (ROWS, BLOCK_K)
             k = tl.load(k_base + k_pos[None, :] * stride_ks + offs_d[:, None] * stride_kd,
-                        mask=(k_pos < S)[None, :] & d_ok[:, None], other=0.0)             # (BLOCK_D, BLOCK_N)
+                        mask=(k_pos < S)[None, :] & d_ok[:, None], other=0.0)             # (BLOCK_K, BLOCK_N)
             acc += tl.dot(q, k)                                      # fp32 accumulate
         return acc
 
@@ -144,7 +147,8 @@ if HAS_TRITON:
         stride_xb, stride_xh, stride_xg, stride_xn,
         qk_scale,
         T: tl.constexpr, GROUPS_PER_BLOCK: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, READ_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+        READ_N: tl.constexpr,
     ):
         # ---- 1. program ids → query groups, KV head -------------------------------------------
         # A program scores BLOCK_M query groups (BLOCK_M // g query blocks) of one (b, KV head) for
@@ -153,7 +157,7 @@ if HAS_TRITON:
         ROWS: tl.constexpr = G_PAD * BLOCK_M
         QB: tl.constexpr = BLOCK_M // GROUPS_PER_BLOCK                # query blocks per program
         KB: tl.constexpr = BLOCK_N // GROUPS_PER_BLOCK                # key blocks per score tile
-        start_m = tl.program_id(0) * BLOCK_M
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest rows first: a short tail
         b = (tl.program_id(1) // Hkv).to(tl.int64)                    # int64: b·stride_qb can pass 2³¹
         h = (tl.program_id(1) % Hkv).to(tl.int64)
         S = tl.load(seq_lens + b)          # this sample's real tokens; later ones count as zero padding
@@ -182,15 +186,16 @@ if HAS_TRITON:
             k_group = start_n + tl.arange(0, BLOCK_N)                 # (BLOCK_N,)
             s = _xattn_antidiagonal_tile(q_rows, k_base, q_group, k_group, row_ok, S, D,
                                          stride_qs, stride_qd, stride_ks, stride_kd,
-                                         T, ROWS, BLOCK_N, BLOCK_D) * qk_scale
-            s = tl.where(k_group[None, :] <= q_group[:, None], s, float("-inf"))  # (ROWS, BLOCK_N)
+                                         T, ROWS, BLOCK_N, BLOCK_D, BLOCK_K)  # (ROWS, BLOCK_N), unscaled
+            if start_n + BLOCK_N - 1 > start_m:                       # only these tiles hold future keys
+                s = tl.where(k_group[None, :] <= q_group[:, None], s, float("-inf"))
             s = tl.reshape(s, (ROWS, KB, GROUPS_PER_BLOCK))           # the g key groups of each block
             # A block wholly in the row's future is all -inf. Shift it by 0, not by its max, so no
             # (-inf) - (-inf) = NaN; its sum is then 0, and its log-sum-exp -inf without a log2(0).
-            blk_max = tl.max(s, 2)                                    # (ROWS, KB)
+            blk_max = tl.max(s, 2) * qk_scale                         # (ROWS, KB), scaled (qk_scale > 0)
             seen = blk_max > float("-inf")
             blk_max = tl.where(seen, blk_max, 0.0)
-            blk_sum = tl.sum(tl.exp2(s - blk_max[:, :, None]), 2)     # (ROWS, KB), >= 1 where seen
+            blk_sum = tl.sum(tl.exp2(s * qk_scale - blk_max[:, :, None]), 2)  # (ROWS, KB), >= 1 where seen
             lse = tl.where(seen, blk_max + tl.log2(tl.where(seen, blk_sum, 1.0)), float("-inf"))
             kb = start_n // GROUPS_PER_BLOCK + tl.arange(0, KB)       # (KB,) key blocks of this tile
             tl.store(x_rows[:, None] + kb[None, :] * stride_xn, lse,
@@ -220,7 +225,7 @@ if HAS_TRITON:
 
 
 def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None, *, BLOCK_M=None, BLOCK_N=None,
-                      num_warps=8):
+                      BLOCK_K=None, num_warps=8, num_stages=None):
     """Same contract as xattention_scores_reference (float32 (B, Hkv, nB, nB); lengths (B,) optional),
     by the Triton kernel: no S×S and no (S/T)² matrix, the antidiagonal products computed once. In
     their place a float32 scratch of one log-sum-exp per (query group, key block):
@@ -232,28 +237,38 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
     before triton is imported; fp16/fp32 there, no bf16); "reference" and "torch" the naive twin;
     "auto" the kernel on CUDA where it supports the call (not float64), else the naive twin.
     BLOCK_M (query groups per program, default: a score tile of 128 rows, G_PAD·BLOCK_M, where
-    G_PAD is G rounded up to a power of two), BLOCK_N (key groups per score tile, default
-    max(128, g)), each a power of two >= 16 and >= g, and num_warps are exposed for timing; they
+    G_PAD is G rounded up to a power of two), BLOCK_N (key groups per score tile) and BLOCK_K (the
+    slice of D one step multiplies), each a power of two >= 16 (BLOCK_M, BLOCK_N also >= g, BLOCK_K
+    at most D rounded up to a power of two), num_warps and num_stages are exposed for timing; they
     change no result beyond summation order.
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
     check_lengths(lengths, B, S)
     g = block_size // stride            # a power of two: stride divides the power-of-two block_size
+    BLOCK_D = max(16, 1 << (D - 1).bit_length())                    # D rounded up to a power of two
+    # The scoring is a matmul with an inner dimension of T·D, whose speed on a GPU is set by the
+    # bytes each program reads per product: wide score tiles (256 key groups) reuse every Q slice
+    # more, and 64-wide slices of D let three pipeline stages of both tiles fit in shared memory.
+    # The interpreter (and fp32, twice the bytes) keeps narrower tiles.
+    wide = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     if BLOCK_N is None:
-        # key groups per score tile: >= 16 for tl.dot, and whole blocks; wide tiles reuse each Q load more.
-        BLOCK_N = max(128, g)
+        BLOCK_N = max(256 if wide else 128, g)                      # whole blocks, >= 16 for tl.dot
+    if BLOCK_K is None:
+        BLOCK_K = min(64, BLOCK_D) if wide else BLOCK_D
     G_PAD = 1 << (Hq // Hkv - 1).bit_length()                       # G rounded up to a power of two
     nG = num_blocks(S, block_size) * g
     if BLOCK_M is None:
         # query groups per program: tl.dot wants >= 16 rows, and whole blocks. Taller score tiles
-        # (G_PAD·BLOCK_M rows, up to 128; 256 do not fit in shared memory at D = 128) load each K
-        # tile for more scores, as long as the grid keeps >= 1024 programs to fill the GPU.
+        # (G_PAD·BLOCK_M rows, up to 128; 256 ran slower or out of registers) load each K tile for
+        # more scores, as long as the grid keeps >= 1024 programs to fill the GPU.
         BLOCK_M = max(16, g)
         while G_PAD * BLOCK_M < 128 and B * Hkv * math.ceil(nG / (2 * BLOCK_M)) >= 1024:
             BLOCK_M *= 2
-    for name, value in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < max(16, g) or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= max(16, g={g}), got {value!r}")
+    for name, value, lo, hi in (("BLOCK_M", BLOCK_M, max(16, g), None), ("BLOCK_N", BLOCK_N, max(16, g), None),
+                                ("BLOCK_K", BLOCK_K, 16, BLOCK_D)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo or value & (value - 1) \
+                or (hi is not None and value > hi):
+            raise ValueError(f"{name} must be a power of two in [{lo}, {hi or 'any'}], got {value!r}")
     if resolve_backend(backend, q.dtype, q.is_cuda, D) != "triton":
         return xattention_scores_reference(q, k, block_size, stride, lengths)
 
@@ -264,7 +279,8 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
     qk_scale = 1.44269504 / (math.sqrt(D) * stride)   # 1/(√D·T), times 1/ln 2 because we use exp2
     # fp32 tiles are twice the bytes: pipelining their loads (Triton's default, 3 stages) would ask
     # for more shared memory than an H100/H200 block has (227 KB) at G = 8. 16-bit tiles fit.
-    num_stages = 1 if q.dtype == torch.float32 else 3
+    if num_stages is None:
+        num_stages = 1 if q.dtype == torch.float32 else 3
     seq_lens = (torch.full((B,), S, device=q.device, dtype=torch.int32) if lengths is None
                 else lengths.to(q.device, torch.int32))            # (B,) real tokens per sample
     grid = (triton.cdiv(nG, BLOCK_M), B * Hkv)
@@ -274,8 +290,9 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
         *q.stride(), *k.stride(), *out.stride(), *blk_lse.stride(),
         qk_scale,
         T=stride, GROUPS_PER_BLOCK=g, G=G, G_PAD=G_PAD,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        READ_N=BLOCK_N,   # key blocks per read-back step: a tile as large as the score tile
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
+        READ_N=min(BLOCK_N, 16384 // (G_PAD * BLOCK_M)),   # key blocks per read-back step: a tile as
+        # large as the score tile, up to 128 × 128 floats (more would spill registers)
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

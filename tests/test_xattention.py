@@ -159,6 +159,17 @@ def test_triton_scores_narrow_tiles(BLOCK_N):
 
 
 @needs_triton
+@pytest.mark.parametrize("D, BLOCK_K", [(48, 16), (64, 32)])
+def test_triton_scores_sliced_head_dim(D, BLOCK_K):
+    """D multiplied BLOCK_K at a time (as on a GPU, where 64 of D = 128 fit three pipeline stages),
+    the last slice past D = 48 masked; the steps walk t and the slices of D in one loop."""
+    q, k = random_qk(1, 2, 2, 200, D, seed=D, device=TRITON_DEVICE)
+    got = xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_K=BLOCK_K)
+    want = xattention.xattention_scores_reference(q, k, 16, 4)
+    assert_close(got, want, what=f"D={D} BLOCK_K={BLOCK_K}", **triton_tol(torch.float32, TRITON_DEVICE))
+
+
+@needs_triton
 @pytest.mark.parametrize("BLOCK_M, lens", [(32, None), (64, [300, 131])])
 def test_triton_scores_tall_tiles(BLOCK_M, lens):
     """Several query blocks per program (BLOCK_M query groups, 4 or 8 blocks of g = 8 here): the
@@ -449,6 +460,9 @@ def test_bad_input_scores_and_select():
             xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_N=bad)
         with pytest.raises(ValueError, match="BLOCK_M"):
             xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_M=bad)
+    for bad in (8, 24, 32):   # >= 16; a power of two; at most D = 8 rounded up to 16
+        with pytest.raises(ValueError, match="BLOCK_K"):
+            xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_K=bad)
     with pytest.raises(ValueError, match="block_scores"):
         xattention.xattention_select(torch.rand(1, 1, 3, 4), 0.9)
     with pytest.raises(ValueError, match="threshold"):
