@@ -268,7 +268,7 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
                                 ("BLOCK_K", BLOCK_K, 16, BLOCK_D)):
         if isinstance(value, bool) or not isinstance(value, int) or value < lo or value & (value - 1) \
                 or (hi is not None and value > hi):
-            raise ValueError(f"{name} must be a power of two in [{lo}, {hi or 'any'}], got {value!r}")
+            raise ValueError(f"{name} must be a power of two >= {lo}{f' and <= {hi}' if hi else ''}, got {value!r}")
     if resolve_backend(backend, q.dtype, q.is_cuda, D) != "triton":
         return xattention_scores_reference(q, k, block_size, stride, lengths)
 
@@ -291,8 +291,8 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
         qk_scale,
         T=stride, GROUPS_PER_BLOCK=g, G=G, G_PAD=G_PAD,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
-        READ_N=min(BLOCK_N, 16384 // (G_PAD * BLOCK_M)),   # key blocks per read-back step: a tile as
-        # large as the score tile, up to 128 × 128 floats (more would spill registers)
+        READ_N=min(BLOCK_N, 16384 // (G_PAD * BLOCK_M)),   # key blocks read back per step: at most
+        # the score tile's width, and at most 128 × 128 floats at once
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

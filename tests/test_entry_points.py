@@ -217,10 +217,11 @@ def test_bench_block_masks_equal_flex_own(S, q_len, H, G):
     modes = torch.randint(0, 2, (1, 4 if H is None else H // G), generator=g)
     modes[0, 0] = masks.BLOCK_SPARSE
     blocks = torch.rand(1, modes.shape[1], S // 64, S // 64, generator=g) < 0.3
+    modes, blocks = modes.to(bench.DEVICE), blocks.to(bench.DEVICE)   # where bench builds its masks
     pred = bench.mode_predicate(modes, 16, 128, blocks, 64) if H is not None else masks.streaming(16, 128)
     ours = bench.flex_block_mask(pred, H, G, S, q_len)
     ql = q_len or S
-    ref = create_block_mask(lambda b, h, q, k: pred(b, h // G, q + S - ql, k), None, H, ql, S, device="cpu")
-    assert torch.equal(ours.to_dense(), ref.to_dense())
-    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
-    assert torch.equal(ours.kv_num_blocks, ref.kv_num_blocks)
+    ref = create_block_mask(lambda b, h, q, k: pred(b, h // G, q + S - ql, k), None, H, ql, S, device=bench.DEVICE)
+    for mine, theirs in ((ours.to_dense(), ref.to_dense()), (ours.full_kv_num_blocks, ref.full_kv_num_blocks),
+                         (ours.kv_num_blocks, ref.kv_num_blocks)):
+        assert torch.equal(mine.cpu(), theirs.cpu())
