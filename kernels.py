@@ -183,12 +183,36 @@ def _dot_precision(dtype):
     return "tf32"  # ignored for 16-bit inputs
 
 
-def _split_ds(dtype):
-    """Whether the backward multiplies dS into dq and dk as two 16-bit products, dS rounded plus
-    its rounding remainder: one more tile product in each backward kernel. bf16 keeps 8 bits of dS,
-    and that rounding alone can double dq's error against the exact gradient, past twice torch
-    SDPA's bf16 error; fp16 keeps 11 bits, and fp32 needs no split."""
-    return dtype == torch.bfloat16
+def _pow2_scale(bound):
+    """2^(13 - e) for bound = m·2^e (m in [0.5, 1)): brings bound into [2^12, 2^13), built from the
+    exponent bits, so multiplying by it (or by its inverse, also returned) changes no mantissa bit."""
+    _, e = torch.frexp(bound.float().clamp(2.0**-60, 2.0**60))
+    return ((140 - e) << 23).view(torch.float32), ((114 + e) << 23).view(torch.float32)
+
+
+def _backward_operands(q, k, v, do):
+    """The backward multiplies dS (fp32 in the kernel) into dq and dk in fp16 when the inputs are
+    16-bit: bf16's 8 bits of dS can double dq's error against the exact gradient, past twice torch
+    SDPA's bf16 error, and fp16's 11 bits do not. An fp16 product needs fp16 tiles, so q and k are
+    copied once here; powers of two, per (sample, KV head), keep every value inside fp16's range
+    without rounding: q and k scaled to a largest entry below 2^13 (bf16 converts to fp16 exactly down
+    to 2^-30 of it), dS by a bound on its largest entry, |dS_ij| = p_ij·|dO_i·v_j - Δ_i|
+    <= 2·max‖dO_i‖·max‖v_j‖. Returns (q', k', scales (B, Hkv, 4) = [s_dS, 1/s_dS, 1/s_q, 1/s_k]);
+    fp16 q and k pass through (s_q = s_k = 1), float32 inputs with every scale 1."""
+    B, Hkv, G = k.shape[0], k.shape[1], q.shape[1] // k.shape[1]
+    one = torch.ones(B, Hkv, device=q.device)
+    if q.dtype == torch.float32:
+        return q, k, torch.stack([one] * 4, -1)
+    largest = lambda x: torch.linalg.vector_norm(x.reshape(B, Hkv, -1), float("inf"), -1, dtype=torch.float32)
+    norms = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)   # rows' 2-norms
+    s_ds, inv_ds = _pow2_scale(2 * largest(norms(do)) * largest(norms(v)))         # (B, Hkv) each
+    if q.dtype == torch.float16:
+        return q, k, torch.stack([s_ds, inv_ds, one, one], -1)
+    s_q, inv_q = _pow2_scale(largest(q))
+    s_k, inv_k = _pow2_scale(largest(k))
+    q16 = (q.reshape(B, Hkv, G, -1) * s_q.to(q.dtype)[..., None, None]).reshape(q.shape).half()
+    k16 = (k * s_k.to(k.dtype)[..., None, None]).half()
+    return q16, k16, torch.stack([s_ds, inv_ds, inv_q, inv_k], -1)
 
 
 def _block_sparse_args(block_mask, device):
@@ -477,16 +501,6 @@ def hybrid_attention_reference_grad(q, k, v, modes, sink, window, block_mask, bl
 
 if HAS_TRITON:
     @triton.jit
-    def _dot_ds(ds, x, acc, SPLIT_DS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """acc + ds @ x for fp32 ds and a 16-bit (or fp32) tile x. SPLIT_DS (kernels._split_ds):
-        ds as hi + lo, both in x's dtype, two products; hi + lo keeps ~16 bits of ds, not 8."""
-        ds_hi = ds.to(x.dtype)
-        acc = tl.dot(ds_hi, x, acc, input_precision=DOT_PRECISION)
-        if SPLIT_DS:
-            acc = tl.dot((ds - ds_hi.to(tl.float32)).to(x.dtype), x, acc, input_precision=DOT_PRECISION)
-        return acc
-
-    @triton.jit
     def _query_tile_range(RANGE: tl.constexpr, n0, seq_len, full_end, any_end, n_listed,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Query tiles [lo, hi) of one range for keys n0 … n0+BLOCK_N-1 (query tile t holds rows
@@ -508,11 +522,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _attn_bwd_dkdv_inner(dk, dv, k, v, Q_tile, DO_tile, Lse_row, Delta_row, query_list, n0,
-                             seq_len, sink, window, full_end, any_end, n_listed, qk_scale,
+                             seq_len, sink, window, full_end, any_end, n_listed, qk_scale, ds_scale,
                              stride_qs, stride_dos,
                              RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                             SPLIT_DS: tl.constexpr):
+                             HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """Fold the query tiles of one range into dk, dv (BLOCK_N, BLOCK_D) of the key tile n0 … .
         Q_tile / DO_tile point at rows 0 … BLOCK_M-1 of one query head; Lse_row / Delta_row at its
         row 0. Works on transposed scores (keys × queries), so that dk and dv are plain row sums."""
@@ -536,6 +549,7 @@ if HAS_TRITON:
             else:
                 lse2 = tl.load(Lse_row + offs_m)
                 delta = tl.load(Delta_row + offs_m)
+            delta = delta * ds_scale
 
             # -- pᵀ = exp(s - lse), recomputed from the forward's log-sum-exp ------------------------
             qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)                # (BLOCK_N, BLOCK_M)
@@ -546,16 +560,16 @@ if HAS_TRITON:
                 qkT = qkT * qk_scale
             pT = tl.math.exp2(qkT - lse2[None, :])                                      # (BLOCK_N, BLOCK_M)
 
-            # -- dv += pᵀ dO;  dsᵀ = pᵀ ∘ (v dOᵀ - Δ);  dk += dsᵀ q ---------------------------------
+            # -- dv += pᵀ dO;  dsᵀ = pᵀ ∘ (v dOᵀ - Δ), scaled;  dk += dsᵀ q ---------------------------
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)         # (BLOCK_N, BLOCK_D)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)                # (BLOCK_N, BLOCK_M)
-            dsT = pT * (dpT - delta[None, :])
-            dk = _dot_ds(dsT, q, dk, SPLIT_DS, DOT_PRECISION)                           # (BLOCK_N, BLOCK_D)
+            dsT = pT * (dpT * ds_scale - delta[None, :])
+            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)          # (BLOCK_N, BLOCK_D)
         return dk, dv
 
     @triton.jit(do_not_specialize=["seq_len", "n_k_tiles", "H_KV", "G", "sink", "window"])
     def _hybrid_attention_bwd_dkdv(
-        Q, K, V, DO, Lse, Delta, DK, DV, Modes, QBlockIdx, QBlockCnt, BlockDiag,   # pointers
+        Q, K, V, DO, Lse, Delta, Scales, DK, DV, Modes, QBlockIdx, QBlockCnt, BlockDiag,   # pointers
         seq_len, n_k_tiles, H_KV, G, sink, window, qk_scale, sm_scale,          # sizes and scalars
         stride_qb, stride_qh, stride_qs, stride_qd,                             # strides
         stride_kb, stride_kh, stride_ks, stride_kd,
@@ -567,7 +581,6 @@ if HAS_TRITON:
         stride_ib, stride_ih, stride_ic, stride_cb, stride_ch, stride_db, stride_dh,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MASK_BLOCK: tl.constexpr, HAS_BLOCK_SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SPLIT_DS: tl.constexpr,
     ):
         """One program = one BLOCK_N-key tile of one (sample, KV head): dk, dv of those keys, summed
         over the G query heads, each walking only the query tiles that can see a key of the tile."""
@@ -614,6 +627,10 @@ if HAS_TRITON:
             any_end = tl.where(is_bs, block_end, any_end)
 
         # -- 4. sum over the G query heads of this KV head, each over its query ranges ------------------
+        # (q and k here are the scaled copies of _backward_operands; s_dS scales dS before dsᵀ q)
+        scales = Scales + (b * H_KV + h_kv) * 4
+        ds_scale, inv_ds, inv_q, inv_k = tl.load(scales), tl.load(scales + 1), tl.load(scales + 2), tl.load(scales + 3)
+        qk_scale = qk_scale * inv_q * inv_k
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         for g in range(G):
@@ -627,25 +644,24 @@ if HAS_TRITON:
             for RANGE in tl.static_range(N_QUERY_RANGES):  # Q_LISTED, Q_DIAGONAL, Q_BODY, Q_EDGE
                 dk, dv = _attn_bwd_dkdv_inner(
                     dk, dv, k, v, Q_tile, DO_tile, Lse_row, Delta_row, query_list, n0, seq_len, sink,
-                    window, full_end, any_end, n_listed, qk_scale, stride_qs, stride_dos,
+                    window, full_end, any_end, n_listed, qk_scale, ds_scale, stride_qs, stride_dos,
                     RANGE=RANGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-                    TILES_PER_BLOCK=MASK_BLOCK // BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPLIT_DS=SPLIT_DS)
+                    TILES_PER_BLOCK=MASK_BLOCK // BLOCK_M, DOT_PRECISION=DOT_PRECISION)
 
-        # -- 5. store (scores were s = q kᵀ / √D, so dk picks up 1/√D) -----------------------------------
+        # -- 5. store (scores were s = q kᵀ / √D, so dk picks up 1/√D; and the scales come off) ----------
         d_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
         tl.store(DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh
                  + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
-                 (dk * sm_scale).to(DK.dtype.element_ty), mask=d_mask)
+                 (dk * (sm_scale * inv_ds * inv_q)).to(DK.dtype.element_ty), mask=d_mask)
         tl.store(DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh
                  + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd,
                  dv.to(DV.dtype.element_ty), mask=d_mask)
 
     @triton.jit
     def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_tile, V_tile, block_list, m0, seq_len, sink, window,
-                           first_tile, n_listed, qk_scale, stride_ks, stride_vs,
+                           first_tile, n_listed, qk_scale, ds_scale, stride_ks, stride_vs,
                            RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                           SPLIT_DS: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """Fold the key tiles of one range (the forward's walk) into dq (BLOCK_M, BLOCK_D)."""
         MASKED: tl.constexpr = (RANGE == SINK_EDGE) | (RANGE == WINDOW_EDGE) | (RANGE == DIAGONAL)
         lo, hi = _key_tile_range(RANGE, m0, seq_len, sink, window, first_tile, n_listed, BLOCK_M, BLOCK_N)
@@ -665,13 +681,13 @@ if HAS_TRITON:
                 qk = qk * qk_scale
             p = tl.math.exp2(qk - lse2[:, None])                                      # (BLOCK_M, BLOCK_N)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)               # (BLOCK_M, BLOCK_N)
-            ds = p * (dp - delta[:, None])
-            dq = _dot_ds(ds, k, dq, SPLIT_DS, DOT_PRECISION)                          # (BLOCK_M, BLOCK_D)
+            ds = p * (dp * ds_scale - delta[:, None])                                 # delta: Δ·s_dS
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)         # (BLOCK_M, BLOCK_D)
         return dq
 
     @triton.jit(do_not_specialize=["seq_len", "n_q_tiles", "H_KV", "G", "sink", "window"])
     def _hybrid_attention_bwd_dq(
-        Q, K, V, DO, Lse, Delta, DQ, Modes, BlockIdx, BlockCnt, BlockDiag,      # pointers
+        Q, K, V, DO, Lse, Delta, Scales, DQ, Modes, BlockIdx, BlockCnt, BlockDiag,      # pointers
         seq_len, n_q_tiles, H_KV, G, sink, window, qk_scale, sm_scale,          # sizes and scalars
         stride_qb, stride_qh, stride_qs, stride_qd,                             # strides
         stride_kb, stride_kh, stride_ks, stride_kd,
@@ -682,7 +698,6 @@ if HAS_TRITON:
         stride_ib, stride_ih, stride_ir, stride_cb, stride_ch, stride_db, stride_dh,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MASK_BLOCK: tl.constexpr, HAS_BLOCK_SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SPLIT_DS: tl.constexpr,
     ):
         """One program = one BLOCK_M-row query tile of one (sample, query head): dq of those rows,
         walking the same key ranges as the forward."""
@@ -709,6 +724,10 @@ if HAS_TRITON:
         row = b.to(tl.int64) * stride_lb + h_q * stride_lh + offs_m
         lse2 = tl.load(Lse + row, mask=offs_m < seq_len, other=float("inf"))        # (BLOCK_M,) log2 domain
         delta = tl.load(Delta + row, mask=offs_m < seq_len, other=0.0)              # (BLOCK_M,)
+        scales = Scales + (b * H_KV + h_kv) * 4         # q and k are _backward_operands' scaled copies
+        ds_scale, inv_ds, inv_q, inv_k = tl.load(scales), tl.load(scales + 1), tl.load(scales + 2), tl.load(scales + 3)
+        qk_scale = qk_scale * inv_q * inv_k
+        delta = delta * ds_scale
         K_tile = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh \
             + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
         V_tile = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh \
@@ -727,13 +746,13 @@ if HAS_TRITON:
         for RANGE in tl.static_range(N_KEY_RANGES):
             dq = _attn_bwd_dq_inner(
                 dq, q, do, lse2, delta, K_tile, V_tile, block_list, m0, seq_len, sink, window, first_tile,
-                n_listed, qk_scale, stride_ks, stride_vs, RANGE=RANGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                HEAD_DIM=HEAD_DIM, TILES_PER_BLOCK=MASK_BLOCK // BLOCK_N, DOT_PRECISION=DOT_PRECISION, SPLIT_DS=SPLIT_DS)
+                n_listed, qk_scale, ds_scale, stride_ks, stride_vs, RANGE=RANGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                HEAD_DIM=HEAD_DIM, TILES_PER_BLOCK=MASK_BLOCK // BLOCK_N, DOT_PRECISION=DOT_PRECISION)
 
         # -- 5. store --------------------------------------------------------------------------------------
         tl.store(DQ + b.to(tl.int64) * stride_dqb + h_q.to(tl.int64) * stride_dqh
                  + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
-                 (dq * sm_scale).to(DQ.dtype.element_ty),
+                 (dq * (sm_scale * inv_ds * inv_k)).to(DQ.dtype.element_ty),
                  mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM))
 
 
@@ -753,11 +772,12 @@ def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_
     delta = (do.float() * o.float()).sum(-1).contiguous()                       # (B, Hq, S)
     lse2 = torch.where(torch.isneginf(lse), float("inf"), lse * 1.4426950408889634).contiguous()
     sm_scale = 1.0 / math.sqrt(D)
+    q, k, scales = _backward_operands(q, k, v, do)
     common = dict(BLOCK_D=max(16, triton.next_power_of_2(D)), HEAD_DIM=D, HAS_BLOCK_SPARSE=has_bs,
-                  DOT_PRECISION=_dot_precision(q.dtype), SPLIT_DS=_split_ds(q.dtype))
+                  DOT_PRECISION=_dot_precision(q.dtype))
     n_k_tiles = triton.cdiv(S, N1)
     _hybrid_attention_bwd_dkdv[(B * Hkv * n_k_tiles,)](
-        q, k, v, do, lse2, delta, dk, dv, modes32, q_idx, q_cnt, diag,
+        q, k, v, do, lse2, delta, scales, dk, dv, modes32, q_idx, q_cnt, diag,
         S, n_k_tiles, Hkv, Hq // Hkv, sink, window, sm_scale * 1.4426950408889634, sm_scale,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         lse2.stride(0), lse2.stride(1), *modes32.stride(),
@@ -767,7 +787,7 @@ def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_
         num_warps=warps1, num_stages=stages1)
     n_q_tiles = triton.cdiv(S, M2)
     _hybrid_attention_bwd_dq[(B * Hq * n_q_tiles,)](
-        q, k, v, do, lse2, delta, dq, modes32, kv_idx, kv_cnt, diag,
+        q, k, v, do, lse2, delta, scales, dq, modes32, kv_idx, kv_cnt, diag,
         S, n_q_tiles, Hkv, Hq // Hkv, sink, window, sm_scale * 1.4426950408889634, sm_scale,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         lse2.stride(0), lse2.stride(1), *modes32.stride(),

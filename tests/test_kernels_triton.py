@@ -303,14 +303,45 @@ def test_gradients_with_several_key_tiles_per_block():
     assert_grads_close_to_reference(q, k, v, modes, 3, 50, bm, 64, seed=4)
 
 
-def test_gradients_with_ds_split_into_two_products(monkeypatch):
-    """The backward's two-product dS path (kernels._split_ds: on for bf16, which the interpreter
-    cannot run) forced on for fp16, every mode in one launch: gradients as the reference's."""
-    monkeypatch.setattr(kernels, "_split_ds", lambda dtype: True)
-    modes = torch.tensor([[STREAMING, BLOCK_SPARSE, FULL]])
-    q, k, v, modes, bm = make_case(1, 3, 2, 75, 32, torch.float16, seed=7, block_size=16, modes=modes)
-    bm |= torch.eye(bm.shape[-1], dtype=torch.bool, device=bm.device)
-    assert_grads_close_to_reference(q, k, v, modes, 5, 21, bm, 16, seed=7)
+@given(bound=st.one_of(st.floats(0, 1e30), st.sampled_from([0.0, 2.0**-70, 2.0**-13, 1.0, 4096.0, 8192.0])))
+def test_pow2_scale_is_an_exact_power_of_two_into_range(bound):
+    s, inv = kernels._pow2_scale(torch.tensor([bound]))
+    mantissa, _ = torch.frexp(s)
+    assert mantissa.item() == 0.5 and (s * inv).item() == 1.0          # 2^k and exactly 2^-k
+    if 2.0**-60 <= bound <= 2.0**60:
+        assert 2**12 <= bound * s.item() < 2**13
+
+
+def test_gradients_where_unscaled_ds_overflows_fp16():
+    """v and dO times 2^7 each: |dS| passes fp16's largest value (65504), and a dS rounded to fp16
+    unscaled would be inf. With _backward_operands' power-of-two scales the kernel is exactly
+    equivariant: dq, dk come out 2^14 times, dv 2^7 times the unscaled case's (itself checked against
+    float64), bit for bit."""
+    S, D, c = 48, 64, 2.0**7
+    modes = torch.full((1, 2), FULL)
+    q, k, v, modes, _ = make_case(1, 2, 2, S, D, torch.float16, seed=11, modes=modes)
+    # small q and near-equal keys: dq = Σ_j dS_ij (k_j - k̄) / √D and dk = Σ_i dS_ij q_i / √D stay
+    # inside fp16 while dS itself does not
+    q, k = q / 16, k[:, :, :1] + k / 16
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(q.device, q.dtype)
+    assert_grads_close_to_reference(q, k, v, modes, 0, S, None, 64, seed=11)   # makes its own dO
+
+    scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(D)
+    p = scores.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), -math.inf).softmax(-1)
+    dp = (do.double() * c) @ (v.double() * c).repeat_interleave(2, 1).transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    assert ds.abs().max() > torch.finfo(torch.float16).max
+
+    def grads(v, do):
+        q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+        out = kernels.fused_hybrid_attention(q_, k_, v_, modes, 0, S, None, 64)
+        return torch.autograd.grad(out, (q_, k_, v_), do)
+    dq, dk, dv = grads(v, do)
+    dq2, dk2, dv2 = grads(v * c, do * c)
+    for small, big, factor in ((dq, dq2, c * c), (dk, dk2, c * c), (dv, dv2, c)):
+        # bit for bit, except where the unscaled gradient was rounded to an fp16 subnormal (< 2^-14)
+        slack = (small.abs() < 2**-14) * factor * 2**-24
+        assert torch.isfinite(big).all() and ((big.double() - small.double() * factor).abs() <= slack).all()
 
 
 def test_lse_is_an_output_not_a_gradient_path():
