@@ -183,38 +183,6 @@ def _dot_precision(dtype):
     return "tf32"  # ignored for 16-bit inputs
 
 
-def _pow2_scale(bound):
-    """2^(13 - e) for bound = m·2^e (m in [0.5, 1)): brings bound into [2^12, 2^13), built from the
-    exponent bits, so multiplying by it (or by its inverse, also returned) changes no mantissa bit."""
-    _, e = torch.frexp(bound.float().clamp(2.0**-60, 2.0**60))
-    return ((140 - e) << 23).view(torch.float32), ((114 + e) << 23).view(torch.float32)
-
-
-def _backward_operands(q, k, v, do):
-    """The backward multiplies dS (fp32 in the kernel) into dq and dk in fp16 when the inputs are
-    16-bit: bf16's 8 bits of dS can double dq's error against the exact gradient, past twice torch
-    SDPA's bf16 error, and fp16's 11 bits do not. An fp16 product needs fp16 tiles, so q and k are
-    copied once here; powers of two, per (sample, KV head), keep every value inside fp16's range
-    without rounding: q and k scaled to a largest entry below 2^13 (bf16 converts to fp16 exactly down
-    to 2^-30 of it), dS by a bound on its largest entry, |dS_ij| = p_ij·|dO_i·v_j - Δ_i|
-    <= 2·max‖dO_i‖·max‖v_j‖. Returns (q', k', scales (B, Hkv, 4) = [s_dS, 1/s_dS, 1/s_q, 1/s_k]);
-    fp16 q and k pass through (s_q = s_k = 1), float32 inputs with every scale 1."""
-    B, Hkv, G = k.shape[0], k.shape[1], q.shape[1] // k.shape[1]
-    one = torch.ones(B, Hkv, device=q.device)
-    if q.dtype == torch.float32:
-        return q, k, torch.stack([one] * 4, -1)
-    largest = lambda x: torch.linalg.vector_norm(x.reshape(B, Hkv, -1), float("inf"), -1, dtype=torch.float32)
-    norms = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)   # rows' 2-norms
-    s_ds, inv_ds = _pow2_scale(2 * largest(norms(do)) * largest(norms(v)))         # (B, Hkv) each
-    if q.dtype == torch.float16:
-        return q, k, torch.stack([s_ds, inv_ds, one, one], -1)
-    s_q, inv_q = _pow2_scale(largest(q))
-    s_k, inv_k = _pow2_scale(largest(k))
-    q16 = (q.reshape(B, Hkv, G, -1) * s_q.to(q.dtype)[..., None, None]).reshape(q.shape).half()
-    k16 = (k * s_k.to(k.dtype)[..., None, None]).half()
-    return q16, k16, torch.stack([s_ds, inv_ds, inv_q, inv_k], -1)
-
-
 def _block_sparse_args(block_mask, device):
     """(kv_idx, kv_cnt, q_idx, q_cnt, diag) for the kernels; stand-ins that are never read when
     there is no block mask."""
@@ -490,6 +458,7 @@ def _hybrid_attention_fwd_launch(q, k, v, modes32, sink, window, bs_args, block_
 #    Δ_i = Σ_d dO_id O_id,   dV = Pᵀ dO,   dS = P ∘ (dO Vᵀ - Δ),   dQ = dS K / √D,   dK = dSᵀ Q / √D.
 #    dk/dv: one program per (sample, KV head, key tile), summing over the G query heads of the KV head.
 #    dq:    one program per (sample, query head, query tile), walking the forward's key ranges.
+#    16-bit inputs: dS enters dQ and dK in fp16, with power-of-two scales (_backward_operands).
 
 def hybrid_attention_reference_grad(q, k, v, modes, sink, window, block_mask, block_size, do):
     """The naive twin of the fused backward: (dq, dk, dv) by autograd through
@@ -584,10 +553,12 @@ if HAS_TRITON:
     ):
         """One program = one BLOCK_N-key tile of one (sample, KV head): dk, dv of those keys, summed
         over the G query heads, each walking only the query tiles that can see a key of the tile."""
-        # -- 1. program id -> (key tile, sample, KV head); the first key tiles (most work) first ---------
+        # -- 1. program id -> (key tile, sample, KV head): the tile outermost, so every head's first
+        # tiles (most work: all later rows see them) start first and no long program starts last ------
         pid = tl.program_id(0)
-        tile = pid % n_k_tiles
-        bh = pid // n_k_tiles
+        n_bh = tl.num_programs(0) // n_k_tiles                # B · H_KV
+        tile = pid // n_bh
+        bh = pid % n_bh
         b = bh // H_KV
         h_kv = bh % H_KV
         n0 = tile * BLOCK_N                                   # first key of this tile
@@ -754,6 +725,38 @@ if HAS_TRITON:
                  + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
                  (dq * (sm_scale * inv_ds * inv_k)).to(DQ.dtype.element_ty),
                  mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM))
+
+
+def _pow2_scale(bound):
+    """2^(13 - e) for bound = m·2^e (m in [0.5, 1)): brings bound into [2^12, 2^13), built from the
+    exponent bits, so multiplying by it (or by its inverse, also returned) changes no mantissa bit."""
+    _, e = torch.frexp(bound.float().clamp(2.0**-60, 2.0**60))
+    return ((140 - e) << 23).view(torch.float32), ((114 + e) << 23).view(torch.float32)
+
+
+def _backward_operands(q, k, v, do):
+    """The backward multiplies dS (fp32 in the kernel) into dq and dk in fp16 when the inputs are
+    16-bit: bf16's 8 bits of dS can double dq's error against the exact gradient, past twice torch
+    SDPA's bf16 error, and fp16's 11 bits do not. An fp16 product needs fp16 tiles, so q and k are
+    copied once here; powers of two, per (sample, KV head), keep every value inside fp16's range
+    without rounding: q and k scaled to a largest entry below 2^13 (bf16 converts to fp16 exactly down
+    to 2^-30 of it), dS by a bound on its largest entry, |dS_ij| = p_ij·|dO_i·v_j - Δ_i|
+    <= 2·max‖dO_i‖·max‖v_j‖. Returns (q', k', scales (B, Hkv, 4) = [s_dS, 1/s_dS, 1/s_q, 1/s_k]);
+    fp16 q and k pass through (s_q = s_k = 1), float32 inputs with every scale 1."""
+    B, Hkv, G = k.shape[0], k.shape[1], q.shape[1] // k.shape[1]
+    one = torch.ones(B, Hkv, device=q.device)
+    if q.dtype == torch.float32:
+        return q, k, torch.stack([one] * 4, -1)
+    largest = lambda x: torch.linalg.vector_norm(x.reshape(B, Hkv, -1), float("inf"), -1, dtype=torch.float32)
+    norms = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)   # rows' 2-norms
+    s_ds, inv_ds = _pow2_scale(2 * largest(norms(do)) * largest(norms(v)))         # (B, Hkv) each
+    if q.dtype == torch.float16:
+        return q, k, torch.stack([s_ds, inv_ds, one, one], -1)
+    s_q, inv_q = _pow2_scale(largest(q))
+    s_k, inv_k = _pow2_scale(largest(k))
+    q16 = (q.reshape(B, Hkv, G, -1) * s_q.to(q.dtype)[..., None, None]).reshape(q.shape).half()
+    k16 = (k * s_k.to(k.dtype)[..., None, None]).half()
+    return q16, k16, torch.stack([s_ds, inv_ds, inv_q, inv_k], -1)
 
 
 def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_args, block_size, has_bs,
