@@ -456,6 +456,7 @@ def _hybrid_attention_fwd_launch(q, k, v, modes32, sink, window, bs_args, block_
 # -----------------------------------------------------------------------------
 # 4. Backward (FlashAttention-2): with P = softmax(S) recomputed from the saved LSE and
 #    Δ_i = Σ_d dO_id O_id,   dV = Pᵀ dO,   dS = P ∘ (dO Vᵀ - Δ),   dQ = dS K / √D,   dK = dSᵀ Q / √D.
+#    rows:  one program per (sample, query head, row tile): Δ and what the scales below need.
 #    dk/dv: one program per (sample, KV head, key tile), summing over the G query heads of the KV head.
 #    dq:    one program per (sample, query head, query tile), walking the forward's key ranges.
 #    16-bit inputs: dS enters dQ and dK in fp16, with power-of-two scales (_backward_operands).
@@ -469,6 +470,34 @@ def hybrid_attention_reference_grad(q, k, v, modes, sink, window, block_mask, bl
 
 
 if HAS_TRITON:
+    @triton.jit
+    def _attn_bwd_rows(O, DO, Q, Lse, Delta, Lse2, DoNorm, QMax, seq_len, H,
+                       stride_ob, stride_oh, stride_os, stride_od, stride_dob, stride_doh, stride_dos, stride_dod,
+                       stride_qb, stride_qh, stride_qs, stride_qd,
+                       BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """What the backward needs per query row, from one pass over o, dO and q (B, Hq, S, D):
+        Δ_i = Σ_d dO_id O_id; the LSE in log2 units, an empty row's -inf turned to +inf (its
+        p = exp2(s - lse) must be 0, not exp2(-inf + inf) = NaN); ‖dO_i‖ and max_d |q_id| for
+        _backward_operands. Outputs are (B, Hq, S) float32, contiguous."""
+        bh = tl.program_id(0)                                 # b·H + h (the long grid axis: B·Hq may pass 65535)
+        b, h = bh // H, bh % H
+        offs_m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = offs_m[:, None]
+        o = _load_rows(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows * stride_os
+                       + offs_d[None, :] * stride_od, offs_m, seq_len, offs_d, HEAD_DIM, True).to(tl.float32)
+        do = _load_rows(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows * stride_dos
+                        + offs_d[None, :] * stride_dod, offs_m, seq_len, offs_d, HEAD_DIM, True).to(tl.float32)
+        q = _load_rows(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows * stride_qs
+                       + offs_d[None, :] * stride_qd, offs_m, seq_len, offs_d, HEAD_DIM, True).to(tl.float32)
+        row = bh.to(tl.int64) * seq_len + offs_m
+        inside = offs_m < seq_len
+        lse = tl.load(Lse + row, mask=inside, other=0.0)
+        tl.store(Delta + row, tl.sum(do * o, 1), mask=inside)
+        tl.store(Lse2 + row, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=inside)
+        tl.store(DoNorm + row, tl.sqrt(tl.sum(do * do, 1)), mask=inside)
+        tl.store(QMax + row, tl.max(tl.abs(q), 1), mask=inside)
+
     @triton.jit
     def _query_tile_range(RANGE: tl.constexpr, n0, seq_len, full_end, any_end, n_listed,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -734,28 +763,31 @@ def _pow2_scale(bound):
     return ((140 - e) << 23).view(torch.float32), ((114 + e) << 23).view(torch.float32)
 
 
-def _backward_operands(q, k, v, do):
+def _backward_operands(q, k, v, do_norms, q_max):
     """The backward multiplies dS (fp32 in the kernel) into dq and dk in fp16 when the inputs are
     16-bit: bf16's 8 bits of dS can double dq's error against the exact gradient, past twice torch
     SDPA's bf16 error, and fp16's 11 bits do not. An fp16 product needs fp16 tiles, so q and k are
     copied once here; powers of two, per (sample, KV head), keep every value inside fp16's range
     without rounding: q and k scaled to a largest entry below 2^13 (bf16 converts to fp16 exactly down
     to 2^-30 of it), dS by a bound on its largest entry, |dS_ij| = p_ij·|dO_i·v_j - Δ_i|
-    <= 2·max‖dO_i‖·max‖v_j‖. Returns (q', k', scales (B, Hkv, 4) = [s_dS, 1/s_dS, 1/s_q, 1/s_k]);
-    fp16 q and k pass through (s_q = s_k = 1), float32 inputs with every scale 1."""
+    <= 2·max‖dO_i‖·max‖v_j‖. do_norms, q_max: ‖dO_i‖ and max_d |q_id| per row (_attn_bwd_rows).
+    Returns (q', k', scales (B, Hkv, 4) = [s_dS, 1/s_dS, 1/s_q, 1/s_k]); fp16 q and k pass through
+    (s_q = s_k = 1), float32 inputs with every scale 1."""
     B, Hkv, G = k.shape[0], k.shape[1], q.shape[1] // k.shape[1]
     one = torch.ones(B, Hkv, device=q.device)
     if q.dtype == torch.float32:
         return q, k, torch.stack([one] * 4, -1)
-    largest = lambda x: torch.linalg.vector_norm(x.reshape(B, Hkv, -1), float("inf"), -1, dtype=torch.float32)
-    norms = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)   # rows' 2-norms
-    s_ds, inv_ds = _pow2_scale(2 * largest(norms(do)) * largest(norms(v)))         # (B, Hkv) each
+    largest = lambda x: x.reshape(B, Hkv, -1).amax(-1)                            # per (sample, KV head)
+    v_norms = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32)
+    s_ds, inv_ds = _pow2_scale(2 * largest(do_norms) * largest(v_norms))           # (B, Hkv) each
     if q.dtype == torch.float16:
         return q, k, torch.stack([s_ds, inv_ds, one, one], -1)
-    s_q, inv_q = _pow2_scale(largest(q))
-    s_k, inv_k = _pow2_scale(largest(k))
-    q16 = (q.reshape(B, Hkv, G, -1) * s_q.to(q.dtype)[..., None, None]).reshape(q.shape).half()
-    k16 = (k * s_k.to(k.dtype)[..., None, None]).half()
+    s_q, inv_q = _pow2_scale(largest(q_max))
+    s_k, inv_k = _pow2_scale(torch.linalg.vector_norm(k.reshape(B, Hkv, -1), float("inf"), -1, dtype=torch.float32))
+    q16 = torch.empty(q.shape, dtype=torch.float16, device=q.device)   # q·s_q is exact in bf16, then
+    k16 = torch.empty(k.shape, dtype=torch.float16, device=k.device)   # stored as fp16: one pass each
+    torch.mul(q.unflatten(1, (Hkv, G)), s_q.to(q.dtype)[..., None, None, None], out=q16.unflatten(1, (Hkv, G)))
+    torch.mul(k, s_k.to(k.dtype)[..., None, None], out=k16)
     return q16, k16, torch.stack([s_ds, inv_ds, inv_q, inv_k], -1)
 
 
@@ -770,14 +802,14 @@ def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_
         return dq, dk, dv
     kv_idx, kv_cnt, q_idx, q_cnt, diag = bs_args
     (M1, N1, warps1, stages1), (M2, N2, warps2, stages2) = bwd_config
-    # Δ_i = Σ_d dO_id O_id, and the LSE in log2 units with an empty row's -inf turned to +inf
-    # (its p = exp2(s - lse) must be 0, not exp2(-inf + inf) = NaN).
-    delta = (do.float() * o.float()).sum(-1).contiguous()                       # (B, Hq, S)
-    lse2 = torch.where(torch.isneginf(lse), float("inf"), lse * 1.4426950408889634).contiguous()
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    delta, lse2, do_norms, q_max = torch.empty(4, B, Hq, S, device=q.device)       # (B, Hq, S) each
+    _attn_bwd_rows[(B * Hq, triton.cdiv(S, 64))](
+        o, do, q, lse.contiguous(), delta, lse2, do_norms, q_max, S, Hq, *o.stride(), *do.stride(), *q.stride(),
+        BLOCK=64, BLOCK_D=BLOCK_D, HEAD_DIM=D, num_warps=4)
     sm_scale = 1.0 / math.sqrt(D)
-    q, k, scales = _backward_operands(q, k, v, do)
-    common = dict(BLOCK_D=max(16, triton.next_power_of_2(D)), HEAD_DIM=D, HAS_BLOCK_SPARSE=has_bs,
-                  DOT_PRECISION=_dot_precision(q.dtype))
+    q, k, scales = _backward_operands(q, k, v, do_norms, q_max)
+    common = dict(BLOCK_D=BLOCK_D, HEAD_DIM=D, HAS_BLOCK_SPARSE=has_bs, DOT_PRECISION=_dot_precision(q.dtype))
     n_k_tiles = triton.cdiv(S, N1)
     _hybrid_attention_bwd_dkdv[(B * Hkv * n_k_tiles,)](
         q, k, v, do, lse2, delta, scales, dk, dv, modes32, q_idx, q_cnt, diag,

@@ -160,7 +160,7 @@ def build_parser():
                         "smollm2 3, tiny 0): the inputs of one task share a head set")
     g.add_argument("--targets", help="Ω_MSR targets 'sensitive,robust'; sensitive may be 'auto': the largest Ω at "
                                      "which the static frontier keeps 95 %% of dense accuracy on calibration prompts "
-                                     "(default: smollm2 0.45,0.95; gpu 0.7,0.95; tiny 0.7,1.0)")
+                                     "(default: smollm2 0.45,0.95; gpu 0.6,0.95; tiny 0.7,1.0)")
     g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
                    help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
     g.add_argument("--deploy", choices=list(elastic_attention.DEPLOYS),

@@ -227,12 +227,13 @@ def sdpa_grads_same_dtype(q, k, v, mask, do):
     return torch.autograd.grad(sdpa_same_dtype(q, k, v, mask), (q, k, v), do)
 
 
-def assert_grads_close_to_reference(q, k, v, modes, sink, window, block_mask, block_size, seed):
+def assert_grads_close_to_reference(q, k, v, modes, sink, window, block_mask, block_size, seed, do=None):
     """float32: each gradient within 1e-4 of the largest reference gradient entry (of dq, dk, dv:
     a gradient that is exactly 0, as dk with window 1, is still a difference of round-off-sized
     terms). 16-bit: within 2× the error of torch's own attention gradients in that dtype, plus the
-    forward's floor (relative to the largest entry when that is above 1)."""
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(q.device, q.dtype)
+    forward's floor (relative to the largest entry when that is above 1). do: drawn from seed if None."""
+    if do is None:
+        do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(q.device, q.dtype)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = kernels.fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
     got = torch.autograd.grad(out, (q, k, v), do)
@@ -266,6 +267,19 @@ def test_gradients_match_reference_drawn(case):
     if dtype != torch.float32:   # torch's yardstick needs every row to see a key: diagonal blocks on
         bm |= torch.eye(bm.shape[-1], dtype=torch.bool, device=bm.device)
     assert_grads_close_to_reference(q, k, v, modes, sink, window, bm, block_size, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_non_contiguous_inputs_and_padded_head_dim(dtype):
+    """The backward reads q, o and dO through their strides: (B, S, H, D) storage viewed as
+    (B, H, S, D), dO too, and D = 24 (padded to 32 inside the kernels)."""
+    B, S, Hkv, G, D = 2, 45, 2, 2, 24
+    g = torch.Generator().manual_seed(8)
+    q, do = (torch.randn(B, S, Hkv * G, D, generator=g).to(DEVICE, dtype).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(B, S, Hkv, D, generator=g).to(DEVICE, dtype).transpose(1, 2) for _ in range(2))
+    modes = torch.tensor([[FULL, STREAMING], [STREAMING, FULL]], device=DEVICE)
+    assert not (q.is_contiguous() or do.is_contiguous())
+    assert_grads_close_to_reference(q, k, v, modes, 2, 9, None, 64, seed=0, do=do)
 
 
 @pytest.mark.parametrize("G, S", [(1, 75), (8, 37)])
