@@ -12,7 +12,8 @@ the method per block of code:
     2. a gate turns log α into z per (sample, KV head); z = 1 keeps the head FULL     router.py
          model.train(): hard-concrete sample, forward exactly 0/1, straight-through gradient
          model.eval():  z = 1[log α > 0], or (Config.deploy = "count") the k lowest log α SPARSE,
-                        k what the training draws would have made sparse on average
+                        k what the training draws would have made sparse on average ("global":
+                        k and the ranking over all layers at once; ranked routers only)
     3. attention, every head in its mode                                              kernels.py
          training:  O = z·O_full + (1 − z)·O_sparse   (d O / d z = O_full − O_sparse reaches the router)
          inference: one hybrid call, each (sample, KV head) in its own mode
@@ -52,7 +53,7 @@ HEAD_CONFIGS = {
     "XA-XA": (BLOCK_SPARSE, BLOCK_SPARSE),  # both sides XAttention: the router changes nothing; a baseline
 }
 GATES = ("hard-concrete", "gumbel")
-DEPLOYS = ("threshold", "count")   # evaluation gate: router.deterministic_gate or router.count_gate
+DEPLOYS = ("threshold", "count", "global")   # evaluation gate: router.deterministic_gate, router.count_gate per layer or over all
 BACKENDS = kernels.BACKENDS  # "auto", "reference", "torch", "triton": see kernels.py, section 1
 
 
@@ -83,7 +84,8 @@ class Config:
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
     pool_skip: int = 0             # leading tokens every prompt shares (a chat system turn): not pooled
     gate: str = "hard-concrete"    # training gate (METHOD.md §5); "gumbel" = the paper's Gumbel-softmax
-    deploy: str = "threshold"      # evaluation gate: FULL iff log α > 0; "count": as many SPARSE heads as training drew
+    deploy: str = "threshold"      # evaluation gate: FULL iff log α > 0; "count": as many SPARSE heads as training drew;
+                                   # "global": the same count, ranked over all layers at once (ranked routers)
     # Which attention code runs, for prefill, XAttention scoring and decode alike (kernels.BACKENDS):
     # "auto" = the Triton kernels on CUDA where they support the call, PyTorch otherwise; "torch";
     # "triton" (on a CPU: TRITON_INTERPRET=1); "reference" (the naive twins).
@@ -326,13 +328,14 @@ class Attention(nn.Module):
         return cache.attend(self.layer_idx, q[:, :, 0], pos + 1)
 
     def forward(self, x, cos, sin, modes=None, z=None, lengths=None, prompt_lengths=None, gate_noise=None,
-                rows_at=None, cache=None, debt=None, shift=None):
+                rows_at=None, cache=None, debt=None, shift=None, deployed=None):
         """x (B, S, C) → (out (B, S, C), record). modes (B, Hkv) int or z (B, Hkv) in [0, 1] skip the
         router. lengths (B,): real tokens (the rest is padding); prompt_lengths (B,): tokens the router
         may read. rows_at (B,): also record each head's dense attention row there (attention_row).
         cache: decode one token against it instead (record None). debt (B,): the "count" evaluation
         gate's rounding, carried from layer to layer. shift (B,): ranked routers' per-input log α shift
-        (Transformer.attach_routers), added to every head's. record: this layer's z, kernel
+        (Transformer.attach_routers), added to every head's. deployed (B, Hkv): z chosen over all
+        layers at once (deploy="global"), in place of the gate. record: this layer's z, kernel
         modes, log α, block mask, k/v for a KV cache, and the rows."""
         B, S, _ = x.shape
         q, k, v, k_pre = self.project(x, cos, sin)
@@ -346,7 +349,7 @@ class Attention(nn.Module):
             log_alpha = self.router(k_pre, prompt_lengths)                                 # (B, Hkv)
             if shift is not None:
                 log_alpha = log_alpha + shift[:, None]
-            z = self.gate(log_alpha, gate_noise, debt)                                     # (B, Hkv)
+            z = self.gate(log_alpha, gate_noise, debt) if deployed is None else deployed  # (B, Hkv)
         if z is not None:
             modes = torch.where(z > 0.5, full_mode, sparse_mode).to(torch.int32)           # (B, Hkv)
         elif modes is None:
@@ -574,13 +577,23 @@ class Transformer(nn.Module):
             first = self.layers[0]
             k_pre = first.self_attn.router_keys(first.input_layernorm(x))                    # (B, Hkv, S, D)
             shift = self.shift_router(k_pre, prompt_lengths).mean(1)                         # (B,)
+        deployed = [None] * len(self.layers)
+        if routed and not self.training and self.cfg.deploy == "global":
+            if shift is None:
+                raise ValueError('deploy="global" needs ranked routers (attach_routers(ranked=True)): other '
+                                 "routers' log α is known only layer by layer")
+            # every head's log α is known before the first layer: one count and one ranking over all of them
+            ranking = torch.stack([layer.self_attn.router.log_alpha for layer in self.layers])  # (L, Hkv)
+            everyone = ranking.float()[None] + shift[:, None, None]                             # (B, L, Hkv)
+            chosen = router_lib.count_gate(everyone.flatten(1), torch.zeros(B, device=idx.device))
+            deployed = chosen.view_as(everyone).unbind(1)                                       # L × (B, Hkv)
         with masks.values_checked():   # the inputs are checked: no host syncs inside the layers
             for i, layer in enumerate(self.layers):
                 x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
                                   z=None if z is None else z[i],
                                   gate_noise=None if gate_noise is None else gate_noise[i],
                                   lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache,
-                                  debt=debt, shift=shift)
+                                  debt=debt, shift=shift, deployed=deployed[i])
                 records.append(record)
         # NaN > 0 is False: a NaN log α would silently be taken as sparse
         if routed and masks.checking_values() and torch.stack([r["log_alpha"] for r in records]).isnan().any():

@@ -167,8 +167,9 @@ def build_parser():
                    help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
     g.add_argument("--deploy", choices=list(elastic_attention.DEPLOYS),
                    help="evaluation gate: threshold (FULL iff log α > 0; default: tiny) or count (each input "
-                        "gets the number of SPARSE heads its training draws would have, by rank; "
-                        "default: gpu, smollm2)")
+                        "gets the number of SPARSE heads its training draws would have, by rank, layer by layer; "
+                        "default: gpu, smollm2) or global (that count and rank over all layers at once; ranked "
+                        "routers)")
     g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
     g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 5)")
     g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
@@ -209,6 +210,8 @@ def settings_from(args):
     P["data_workers"] = args.data_workers
     P["cuda_graph"] = not args.eager
     P["deploy"] = args.deploy or P.get("deploy", "threshold")
+    if P["deploy"] == "global" and P["router"] != "ranked":
+        fail(f"--deploy global ranks every layer's heads at once, which needs --router ranked (got {P['router']})")
     for key in ("logit_penalty", "router_init", "consistency"):
         P[key] = getattr(args, key) if getattr(args, key) is not None else P.get(key, 0.0)
     if args.seq_len is not None and "eval_seq_lens" in P:
@@ -569,13 +572,14 @@ def resume_from(run, path, settings, static, steps, state):
         ckpt = elastic_attention.read_checkpoint(path, run.device, keys=ROUTER_CHECKPOINT_KEYS)
     except ValueError as e:
         fail(e)
-    # --steps may grow (the schedule is re-planned for the new total), and the static stage runs
-    # afresh after the routers; nothing else may change, the backbone and the tasks included.
+    # --steps may grow (the schedule is re-planned for the new total), the static stage runs afresh
+    # after the routers, and --deploy may differ; nothing else may change, backbone and tasks included.
     saved = dict(ckpt["settings"], static=ckpt["static"], steps=run.P["steps"], static_steps=run.P["static_steps"])
     diff = []
     for k, v in dict(settings, static=static).items():
         if k == "config" and isinstance(saved.get(k), dict):  # name the field, not the whole config
-            diff += [f"config.{f} saved {saved[k].get(f)!r}, now {v[f]!r}" for f in v if saved[k].get(f) != v[f]]
+            diff += [f"config.{f} saved {saved[k].get(f)!r}, now {v[f]!r}" for f in v
+                     if saved[k].get(f) != v[f] and f != "deploy"]   # deploy acts after training
         elif saved.get(k) != v:
             diff.append(f"{k} saved {saved.get(k)!r}, now {v!r}")
     if diff:

@@ -90,8 +90,8 @@ def test_model_pt_routes_an_input_after_the_run(quick_run):
 
 def test_resume_continues_from_the_router_checkpoint(quick_run, tmp_path):
     out, _ = quick_run
-    proc = run_script("--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"),
-                      *QUICK[2:], "--steps", "5", "--no-static", "--out", str(tmp_path))
+    proc = run_script("--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"),   # deploy acts
+                      *QUICK[2:], "--steps", "5", "--no-static", "--deploy", "count", "--out", str(tmp_path))  # after training
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     log = json.loads((tmp_path / "results.json").read_text())["train_log"]
@@ -160,6 +160,7 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     (["--preset", "huge"], "invalid choice: 'huge'"),
     (["--gate", "coin"], "invalid choice: 'coin'"),
     (["--deploy", "top-k"], "invalid choice: 'top-k'"),
+    (["--deploy", "global"], "--deploy global ranks every layer's heads at once, which needs --router ranked"),
     (["--backbone", "no/such/file.pt"], "not found"),
     (["--resume", "no/such/router.pt"], "not found"),
     (["--router-lr", "nan"], "--router-lr must be a finite number > 0, got nan"),
@@ -191,7 +192,8 @@ def test_bad_arguments_fail_before_training(args, message, tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("argv, deploy", [([], "threshold"), (["--deploy", "count"], "count")])
+@pytest.mark.parametrize("argv, deploy", [([], "threshold"), (["--deploy", "count"], "count"),
+                                          (["--deploy", "global", "--router", "ranked"], "global")])
 def test_deploy_rule_reaches_the_model_config(argv, deploy):
     import train_router
     args = train_router.build_parser().parse_args(argv)

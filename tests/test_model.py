@@ -238,6 +238,29 @@ def test_count_deployment_gives_each_input_its_expected_sparsity():
         tiny(deploy="top-k")
 
 
+def test_global_deployment_ranks_every_layers_heads_at_once():
+    """Config.deploy = "global" (ranked routers): the count is the training gates' expected one over
+    all layers, to within half a head, and the FULL heads are the highest log α anywhere."""
+    cfg = tiny(deploy="global", n_layers=3)
+    model, idx = model_and_tokens(cfg, 4, 21)
+    model.attach_routers(init_logit=-0.7, ranked=True)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.router.log_alpha.normal_(-0.5, 1.0)   # layers unequal: not a per-layer count
+    model.double().eval()
+    logits, info = model(idx)
+    la, full = torch.stack(info["log_alpha"]).transpose(0, 1), torch.stack(info["modes"]).transpose(0, 1) == FULL
+    expected = 1 - torch.sigmoid(la).mean((1, 2))                                  # (B,)
+    assert ((info["omega_msr"] - expected).abs() <= 0.5 / la[0].numel() + 1e-6).all()
+    for a, f in zip(la, full):                                                      # each input
+        assert f.any() and (~f).any() and a[f].min() >= a[~f].max(), (a, f)
+    again, _ = model(idx, modes=torch.stack(info["modes"]))
+    torch.testing.assert_close(logits, again, rtol=0, atol=0)
+    model.attach_routers()                                                          # per-head routers
+    with pytest.raises(ValueError, match='deploy="global" needs ranked routers'):
+        model(idx)
+
+
 # -----------------------------------------------------------------------------
 # Hugging Face interop (the parity test against transformers itself is tests/test_hf_parity.py).
 
