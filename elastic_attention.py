@@ -53,7 +53,7 @@ HEAD_CONFIGS = {
     "XA-XA": (BLOCK_SPARSE, BLOCK_SPARSE),  # both sides XAttention: the router changes nothing; a baseline
 }
 GATES = ("hard-concrete", "gumbel")
-DEPLOYS = ("threshold", "count", "global")   # evaluation gate: router.deterministic_gate, router.count_gate per layer or over all
+DEPLOYS = ("threshold", "count", "global")   # evaluation gate: router.deterministic_gate or router.count_gate
 BACKENDS = kernels.BACKENDS  # "auto", "reference", "torch", "triton": see kernels.py, section 1
 
 
@@ -84,8 +84,8 @@ class Config:
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
     pool_skip: int = 0             # leading tokens every prompt shares (a chat system turn): not pooled
     gate: str = "hard-concrete"    # training gate (METHOD.md §5); "gumbel" = the paper's Gumbel-softmax
-    deploy: str = "threshold"      # evaluation gate: FULL iff log α > 0; "count": as many SPARSE heads as training drew;
-                                   # "global": the same count, ranked over all layers at once (ranked routers)
+    deploy: str = "threshold"      # evaluation gate: FULL iff log α > 0; "count": as many SPARSE heads as
+                                   # training drew, per layer; "global": that count over all layers (ranked routers)
     # Which attention code runs, for prefill, XAttention scoring and decode alike (kernels.BACKENDS):
     # "auto" = the Triton kernels on CUDA where they support the call, PyTorch otherwise; "torch";
     # "triton" (on a CPU: TRITON_INTERPRET=1); "reference" (the naive twins).

@@ -170,9 +170,9 @@ def build_parser():
                    help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
     g.add_argument("--deploy", choices=list(elastic_attention.DEPLOYS),
                    help="evaluation gate: threshold (FULL iff log α > 0; default: tiny) or count (each input "
-                        "gets the number of SPARSE heads its training draws would have, by rank, layer by layer; "
-                        "default: smollm2) or global (that count and rank over all layers at once; ranked "
-                        "routers; default: gpu)")
+                        "gets the number of SPARSE heads its training draws would have, by rank, layer by "
+                        "layer; default: smollm2) or global (that count and rank over all layers at once; "
+                        "ranked routers; default: gpu)")
     g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
     g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 5)")
     g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
