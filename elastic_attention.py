@@ -578,16 +578,16 @@ class Transformer(nn.Module):
             k_pre = first.self_attn.router_keys(first.input_layernorm(x))                    # (B, Hkv, S, D)
             shift = self.shift_router(k_pre, prompt_lengths).mean(1)                         # (B,)
         deployed = [None] * len(self.layers)
-        if routed and not self.training and self.cfg.deploy == "global":
-            if shift is None:
-                raise ValueError('deploy="global" needs ranked routers (attach_routers(ranked=True)): other '
-                                 "routers' log α is known only layer by layer")
-            # every head's log α is known before the first layer: one count and one ranking over all of them
-            ranking = torch.stack([layer.self_attn.router.log_alpha for layer in self.layers])  # (L, Hkv)
-            everyone = ranking.float()[None] + shift[:, None, None]                             # (B, L, Hkv)
-            chosen = router_lib.count_gate(everyone.flatten(1), torch.zeros(B, device=idx.device))
-            deployed = chosen.view_as(everyone).unbind(1)                                       # L × (B, Hkv)
+        global_count = routed and not self.training and self.cfg.deploy == "global"
+        if global_count and shift is None:
+            raise ValueError('deploy="global" needs ranked routers (attach_routers(ranked=True)): other '
+                             "routers' log α is known only layer by layer")
         with masks.values_checked():   # the inputs are checked: no host syncs inside the layers
+            if global_count:  # every head's log α is known before the first layer: one count, one ranking
+                ranking = torch.stack([layer.self_attn.router.log_alpha for layer in self.layers])  # (L, Hkv)
+                everyone = ranking.float()[None] + shift[:, None, None]                             # (B, L, Hkv)
+                chosen = router_lib.count_gate(everyone.flatten(1), torch.zeros(B, device=idx.device))
+                deployed = chosen.view_as(everyone).unbind(1)                                       # L × (B, Hkv)
             for i, layer in enumerate(self.layers):
                 x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
                                   z=None if z is None else z[i],

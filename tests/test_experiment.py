@@ -90,8 +90,9 @@ def test_model_pt_routes_an_input_after_the_run(quick_run):
 
 def test_resume_continues_from_the_router_checkpoint(quick_run, tmp_path):
     out, _ = quick_run
-    proc = run_script("--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"),   # deploy acts
-                      *QUICK[2:], "--steps", "5", "--no-static", "--deploy", "count", "--out", str(tmp_path))  # after training
+    # --deploy count where the run had threshold: deploy acts after training, so resuming is allowed
+    proc = run_script("--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"),
+                      *QUICK[2:], "--steps", "5", "--no-static", "--deploy", "count", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     log = json.loads((tmp_path / "results.json").read_text())["train_log"]

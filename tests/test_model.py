@@ -256,6 +256,10 @@ def test_global_deployment_ranks_every_layers_heads_at_once():
         assert f.any() and (~f).any() and a[f].min() >= a[~f].max(), (a, f)
     again, _ = model(idx, modes=torch.stack(info["modes"]))
     torch.testing.assert_close(logits, again, rtol=0, atol=0)
+    with torch.no_grad():
+        model.layers[1].self_attn.router.log_alpha[0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):                                    # not silently sparse
+        model(idx)
     model.attach_routers()                                                          # per-head routers
     with pytest.raises(ValueError, match='deploy="global" needs ranked routers'):
         model(idx)
