@@ -15,7 +15,7 @@ main() is the outline, one stage after the other:
                   sensitive target, the routers' input statistics
     3. routers    freeze the backbone; train one router per layer + λ (hard-concrete gates, training
                   mix, per-task targets); the routers read only the prompt, never the answer
-    4. evaluate   held-out samples per task: dense, Elastic (FULL where log α > 0, or --deploy count),
+    4. evaluate   held-out samples per task: dense, Elastic (FULL where log α > 0, or by count: --deploy),
                   fixed head sets at Elastic's mean Ω_MSR (retrieval score, the routers' own set), the
                   per-category oracle, the swap control, all-sparse, the static frontiers; again at the
                   longest length the dense model holds
@@ -84,8 +84,7 @@ PRESETS = {
     # on two as well. Ranking lr 2e-2 (SmolLM2: 5e-3): at 5e-3 one backbone's ranking had not moved
     # far enough when the schedule ran out, and that seed lost 20 points of kv_recall (RESULTS.md).
     # Deployed by one count over all layers: that seed's kv_recall needs all four heads of layer 0,
-    # and counted layer by layer the layer got three (RESULTS.md). SmolLM2 keeps the per-layer count
-    # its table was made with.
+    # and counted layer by layer the layer got three (RESULTS.md).
     "gpu": dict(suite="synthetic", model="gpu", seq_len=4096, device="cuda", backend="auto", backbone=None,
                 backbone_stages=[(256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)],
                 batch_size=16, steps=600, router="ranked", router_lr=1e-3, rank_lr=2e-2, clip=5.0,
@@ -103,10 +102,12 @@ PRESETS = {
     # Start at log α = −1.5 (Ω ≈ 0.82), between the targets, so the categories' multipliers pull
     # apart from the first step. 600 steps: with Adam a multiplier moves ~lr per step, and at 300 the
     # robust inputs stopped short. The static gates (one logit per head) get DuoAttention's lr 2e-2.
+    # Deployed by one count over all layers, as gpu: FULL heads go where the one ranking puts them,
+    # not a quota per layer (RESULTS.md).
     "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 6144, 8192),
                     device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=600,
                     router="ranked", router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5,
-                    consistency=3.0, deploy="count", loss="balanced", router_norm=True, targets=(0.45, 0.95),
+                    consistency=3.0, deploy="global", loss="balanced", router_norm=True, targets=(0.45, 0.95),
                     static_steps=150, static_lr=2e-2, lambda_lr=4e-2, eval_per_task=64, eval_batch=8,
                     calib_per_task=32, curve_points=6),
 }
@@ -171,8 +172,8 @@ def build_parser():
     g.add_argument("--deploy", choices=list(elastic_attention.DEPLOYS),
                    help="evaluation gate: threshold (FULL iff log α > 0; default: tiny) or count (each input "
                         "gets the number of SPARSE heads its training draws would have, by rank, layer by "
-                        "layer; default: smollm2) or global (that count and rank over all layers at once; "
-                        "ranked routers; default: gpu)")
+                        "layer) or global (that count and rank over all layers at once; ranked routers; "
+                        "default: gpu, smollm2)")
     g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
     g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 5)")
     g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
