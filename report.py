@@ -1,6 +1,6 @@
 """report.py — what train_router.py shows you: the results table, the four plots, the hardware line,
-and the mean ± sd over seeds (`train_router.py --seeds`). Nothing here changes a number; it only
-reads results.json files.
+and the mean ± sd over seeds (`train_router.py --seeds`), closed by Elastic's margin over each head
+set paired by seed. Nothing here changes a number; it only reads results.json files.
 
     python report.py runs/tiny-FA-SSA-seed0                    # table + plots of one run again
     python report.py runs/tiny-FA-SSA/seed0 runs/tiny-FA-SSA/seed1 --out runs/tiny-FA-SSA   # aggregate
@@ -90,7 +90,34 @@ def table(runs):
         lines.append("Ω_MSR in training vs deployed: " + ", ".join(
             f"{c} {ms([r['omega_train_vs_deployed'][c]['train'] for r in runs])} vs "
             f"{ms([r['omega_train_vs_deployed'][c]['deployed'] for r in runs])}" for c in ("sensitive", "robust")))
+    if len(runs) > 1:
+        lines += margins(runs)
     return "\n".join(lines)
+
+
+def margins(runs):
+    """Elastic minus each fixed head set and the oracle on the sensitive accuracy tasks, paired by
+    seed: the experiment's claim is that the gap is positive and larger than its spread."""
+    first = runs[0]
+    tasks = [t for t, c in first["tasks"].items() if c == "sensitive" and first["metrics"][t] == "accuracy"]
+    if not tasks:
+        return []
+    lines = ["Elastic minus each method, points, paired by seed: mean±sd (mean/sd)",
+             f"{'method':<15}" + "".join(f"{t[:16]:<17}" for t in tasks) + "sensitive mean"]
+    for tag in [""] + [k[len("elastic"):] for k in first["results"] if k.startswith("elastic@")]:
+        if tag:
+            lines.append(f"evaluated at {tag[1:]} tokens:")
+        for method in ("static", "static_trained", "router_set", "oracle"):
+            if any(k not in r["results"] for r in runs for k in (method + tag, "elastic" + tag)):
+                continue
+            gaps = [[100 * (r["results"]["elastic" + tag][t]["score"] - r["results"][method + tag][t]["score"])
+                     for t in tasks] for r in runs]                                    # (seeds, tasks)
+            cells = []
+            for d in [[g[i] for g in gaps] for i in range(len(tasks))] + [[statistics.mean(g) for g in gaps]]:
+                mu, sd = statistics.mean(d), statistics.stdev(d)
+                cells.append(f"{mu:+.1f}±{sd:.1f} ({mu / sd:.1f})" if sd else f"{mu:+.1f}±0.0")
+            lines.append(f"{dict(METHODS)[method]:<15}" + "".join(f"{c:<17}" for c in cells).rstrip())
+    return lines
 
 
 def print_table(summary):

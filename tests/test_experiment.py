@@ -413,3 +413,31 @@ def test_seeds_run_one_process_each_and_aggregate(tmp_path):
         scores = [r["results"]["elastic"][task]["score"] for r in runs]
         assert stats["score"]["mean"] == pytest.approx(sum(scores) / 2)
         assert stats["score"]["sd"] == pytest.approx(abs(scores[0] - scores[1]) / 2 ** 0.5)
+
+
+def test_report_margins_pair_elastic_with_each_head_set_by_seed():
+    """The closing block of a several-seed table: Elastic minus each head set on the sensitive
+    accuracy tasks, paired by seed, with the mean in sd units; a method a run lacks is left out."""
+    import report
+    tasks = {"far": "sensitive", "near": "sensitive", "text": "robust"}
+    metrics = {"far": "accuracy", "near": "accuracy", "text": "nll"}
+
+    def run(elastic, static, static_long):
+        res = lambda far, near: {"far": {"score": far}, "near": {"score": near}, "text": {"score": 3.0}}
+        return dict(tasks=tasks, metrics=metrics, results={
+            "elastic": res(*elastic), "static": res(*static), "router_set": res(*elastic),
+            "elastic@8": res(*elastic), "static@8": res(*static_long)})
+
+    runs = [run((1.0, 0.9), (0.5, 0.8), (0.2, 0.9)), run((1.0, 0.8), (0.7, 0.8), (0.4, 0.8)),
+            run((0.9, 1.0), (0.6, 0.9), (0.3, 1.0))]
+    lines = report.margins(runs)
+    assert lines[1].split() == ["method", "far", "near", "sensitive", "mean"]
+    # far: +50, +30, +30 points -> +36.7 ± 11.5 (3.2); near: +10, 0, +10 -> +6.7 ± 5.8 (1.2);
+    # their mean per seed: +30, +15, +20 -> +21.7 ± 7.6 (2.8)
+    assert lines[2].split() == ["static", "score", "+36.7±11.5", "(3.2)", "+6.7±5.8", "(1.2)", "+21.7±7.6", "(2.8)"]
+    assert lines[3].split() == ["Elastic's", "set", "+0.0±0.0", "+0.0±0.0", "+0.0±0.0"]
+    assert lines[4] == "evaluated at 8 tokens:"
+    # at 8: far +80, +60, +60; near 0, 0, 0
+    assert lines[5].split() == ["static", "score", "+66.7±11.5", "(5.8)", "+0.0±0.0", "+33.3±5.8", "(5.8)"]
+    assert len(lines) == 6  # no oracle, no trained static gates, no router_set@8 in these runs
+
