@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import elastic_attention
+import report
 import tasks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--backbone-steps", "2", "--steps", "3", "--eval-per-task", "4", "--batch-size", "5", "--curve-points", "3"]
@@ -418,7 +419,6 @@ def test_seeds_run_one_process_each_and_aggregate(tmp_path):
 def test_report_margins_pair_elastic_with_each_head_set_by_seed():
     """The closing block of a several-seed table: Elastic minus each head set on the sensitive
     accuracy tasks, paired by seed, with the mean in sd units; a method a run lacks is left out."""
-    import report
     tasks = {"far": "sensitive", "near": "sensitive", "text": "robust"}
     metrics = {"far": "accuracy", "near": "accuracy", "text": "nll"}
 
@@ -440,4 +440,3 @@ def test_report_margins_pair_elastic_with_each_head_set_by_seed():
     # at 8: far +80, +60, +60; near 0, 0, 0
     assert lines[5].split() == ["static", "score", "+66.7±11.5", "(5.8)", "+0.0±0.0", "+33.3±5.8", "(5.8)"]
     assert len(lines) == 6  # no oracle, no trained static gates, no router_set@8 in these runs
-
