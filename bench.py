@@ -31,7 +31,10 @@ Five tables, one per claim; ratios above 1 mean ours is faster.
                 ops that take the most GPU time. What is not kernel time is launch and host work.
 
 Every peer's Flex mask is built from masks.py's predicates, the rule our kernel is tested against.
-Times are triton.testing.do_bench medians. Writes bench.json (and bench_speedup.png) to --out.
+Times are triton.testing.do_bench medians; in the forward and backward tables every peer is
+timed in --rounds interleaved rounds, and each ratio is the median of the rounds' ratios, with
+their range beside it (a ratio near 1 decides "faster" only when its range does). Writes
+bench.json (and bench_speedup.png) to --out.
 Shape letters: B batch, S sequence (or cache) length, Hq query heads, Hkv KV heads, G = Hq / Hkv,
 D head dim, f the share of STREAMING KV heads.
 
@@ -46,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import time
 import warnings
 
@@ -124,10 +128,10 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
-def measure(rec, name, fn, ref, args, graph=False):
+def measure(rec, name, fn, ref, args, graph=False, timed=True):
     """Run fn once (that first call, compilation included, timed apart), then record its max
-    |difference| from ref and its median time as rec[name + "_diff"], rec[name + "_ms"]. A peer
-    that fails is recorded and printed, not fatal: the other columns still mean something."""
+    |difference| from ref and (timed=True) its median time as rec[name + "_diff"], rec[name + "_ms"].
+    A peer that fails is recorded and printed, not fatal: the other columns still mean something."""
     try:
         sync()
         t0 = time.perf_counter()
@@ -135,11 +139,33 @@ def measure(rec, name, fn, ref, args, graph=False):
         sync()
         rec[f"{name}_first_call_ms"] = 1e3 * (time.perf_counter() - t0)
         rec[f"{name}_diff"] = None if ref is None else max_diff(out, ref)
-        rec[f"{name}_ms"] = time_ms(fn, args, graph)
+        if timed:
+            rec[f"{name}_ms"] = time_ms(fn, args, graph)
         return out
     except Exception as e:  # noqa: BLE001
         rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(f"  {name} failed: {rec[f'{name}_error']}", flush=True)
+
+
+def time_rounds(rec, calls, sfx, args):
+    """Time the peers that ran (calls: name → fn, ours first) in args.rounds interleaved rounds, so
+    that a slow spell of the GPU hits every peer alike. rec[name + sfx + "_ms"]: each one's median
+    over the rounds; rec["vs_" + peer]: the median of the rounds' ratios peer / ours, and
+    rec["vs_" + peer + "_range"] their lowest and highest. A ratio near 1 is a verdict only when
+    its range stays on one side of 1."""
+    if not CUDA:
+        return
+    calls = {name: fn for name, fn in calls.items() if f"{name}{sfx}_error" not in rec}
+    times = {name: [] for name in calls}
+    for _ in range(args.rounds):
+        for name, fn in calls.items():
+            times[name].append(time_ms(fn, args))
+    for name, ts in times.items():
+        rec[f"{name}{sfx}_ms"] = statistics.median(ts)
+        if name != "ours" and "ours" in times:
+            ratios = [t / ours for t, ours in zip(ts, times["ours"])]
+            rec[f"vs_{name}"] = statistics.median(ratios)
+            rec[f"vs_{name}_range"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def table(title, keys, times, checks):
@@ -287,12 +313,14 @@ def prefill_peers(S, modes, block_mask, backward):
 
 FORWARD = dict(keys=[("S", "d"), ("setting", "s")],
                times=[("ours_ms", ".2f"), ("tflops", ".0f"), ("flex_ms", ".2f"), ("split_ms", ".2f"),
-                      ("sdpa_ms", ".2f"), ("vs_flex", ".2f"), ("vs_split", ".2f"), ("vs_sdpa", ".2f"),
-                      ("ideal", ".2f"), ("of_ideal", ".0%")],
+                      ("sdpa_ms", ".2f"), ("vs_flex", ".2f"), ("vs_flex_range", "s"), ("vs_split", ".2f"),
+                      ("vs_split_range", "s"), ("vs_sdpa", ".2f"), ("vs_sdpa_range", "s"), ("ideal", ".2f"),
+                      ("of_ideal", ".0%")],
                checks=[("flex_diff", ".1e"), ("split_diff", ".1e"), ("sdpa_diff", ".1e")])
 BACKWARD = dict(keys=[("S", "d"), ("setting", "s")],
                 times=[("ours_ms", ".2f"), ("ours_fb_ms", ".2f"), ("flex_fb_ms", ".2f"), ("split_fb_ms", ".2f"),
-                       ("sdpa_fb_ms", ".2f"), ("vs_flex", ".2f"), ("vs_split", ".2f"), ("vs_sdpa", ".2f")],
+                       ("sdpa_fb_ms", ".2f"), ("vs_flex", ".2f"), ("vs_flex_range", "s"), ("vs_split", ".2f"),
+                       ("vs_split_range", "s"), ("vs_sdpa", ".2f"), ("vs_sdpa_range", "s")],
                 checks=[("flex_fb_diff", ".1e"), ("split_fb_diff", ".1e"), ("sdpa_fb_diff", ".1e")])
 
 
@@ -319,25 +347,22 @@ def prefill(args, backward=False):
             if backward:
                 return lambda: torch.autograd.grad(attention(*leaves), leaves, do)
             return lambda: attention(q, k, v)
-        dense = {}
-        o_sdpa = measure(dense, "sdpa" + sfx, call(sdpa), None, args)          # the same at every f
         flops_full = masks.attention_flops(S, modes_with(0, perm), cfg.sink, cfg.window, head_dim=D, group=G)
         ours_full_ms = None
         for name, frac, modes, block_mask in settings(S, fracs, perm, args, gen):
             flops = masks.attention_flops(S, modes, cfg.sink, cfg.window, block_mask, cfg.block_size,
                                           head_dim=D, group=G)
-            rec = dict(S=S, setting=name, frac=frac, flops=flops, ideal=flops_full / flops, **dense)
+            rec = dict(S=S, setting=name, frac=frac, flops=flops, ideal=flops_full / flops)
             peers = prefill_peers(S, modes, block_mask, backward)
             if backward:
                 rec["ours_ms"] = time_ms(lambda: peers["ours"](q, k, v), args)
-            ref = measure(rec, "ours" + sfx, call(peers.pop("ours")), None, args)
-            for peer, attention in peers.items():
-                measure(rec, peer + sfx, call(attention), ref, args)
-            if frac == 0:  # every head FULL: SDPA computes what we compute
-                rec[f"sdpa{sfx}_diff"] = None if o_sdpa is None or ref is None else max_diff(o_sdpa, ref)
+            calls = {peer: call(attention) for peer, attention in peers.items()} | {"sdpa": call(sdpa)}
+            ref = measure(rec, "ours" + sfx, calls["ours"], None, args, timed=False)
+            for peer in list(calls)[1:]:  # SDPA is dense causal: it computes what we compute at f = 0 only
+                measure(rec, peer + sfx, calls[peer], ref if peer != "sdpa" or frac == 0 else None, args, timed=False)
+            time_rounds(rec, calls, sfx, args)
+            if frac == 0:
                 ours_full_ms = rec.get(f"ours{sfx}_ms")
-            for peer in ("flex", "split", "sdpa"):
-                rec[f"vs_{peer}"] = ratio(rec.get(f"{peer}{sfx}_ms"), rec.get(f"ours{sfx}_ms"))
             if not backward:
                 rec["tflops"] = ratio(flops / 1e9, rec.get("ours_ms"))
                 rec["of_ideal"] = ratio(ratio(ours_full_ms, rec.get("ours_ms")), rec["ideal"])
@@ -690,11 +715,15 @@ if __name__ == "__main__":
     parser.add_argument("--cudagraph", action="store_true",
                         help="decode: time ours, SDPA and Flex as CUDA-graph replays, as a serving loop runs "
                              "them (no launch cost; caches under the L2 size may be read from it)")
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    parser.add_argument("--warmup", type=int, default=100, help="do_bench warm-up, ms")
+    parser.add_argument("--rep", type=int, default=500, help="do_bench repetition time, ms")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="forward and backward tables: interleaved timing rounds per setting (median, range)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs, the modes and the block masks")
     parser.add_argument("--out", type=str, default="runs/bench", help="folder for bench.json and bench_speedup.png")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: need at least one timing round")
     too_long = [S for S in args.seq_lens + args.bwd_seq_lens if S > CPU_MAX_SEQ_LEN]
     if not CUDA and too_long:  # refused before anything is allocated
         parser.error(f"no CUDA device: this is a CPU smoke test, and S = {too_long} would not fit "
