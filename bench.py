@@ -161,6 +161,7 @@ def time_rounds(rec, calls, sfx, args):
         for name, fn in calls.items():
             times[name].append(time_ms(fn, args))
     for name, ts in times.items():
+        rec[f"{name}{sfx}_rounds_ms"] = ts                      # bench.json keeps every round
         rec[f"{name}{sfx}_ms"] = statistics.median(ts)
         if name != "ours" and "ours" in times:
             ratios = [t / ours for t, ours in zip(ts, times["ours"])]
