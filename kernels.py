@@ -23,7 +23,7 @@ import os  # TRITON_INTERPRET=1 switches the kernels to Triton's CPU interpreter
 import torch
 
 from masks import (BLOCK_SPARSE, FULL, STREAMING, check_block_mask, check_modes, check_qkv,
-                   check_sparse_params, hybrid_mask, naive_attention, streaming)
+                   check_sparse_params, hybrid_mask, naive_attention, streaming, values_checked)
 
 # The one place that asks whether Triton is installed: decode.py and xattention.py import triton
 # and tl from here, so a machine without Triton still runs every "reference" and "torch" path.
@@ -143,7 +143,8 @@ def _bwd_tile_config(D, dtype, block_size, has_block_sparse, interpret):
     key tiles (BLOCK_N). Short streamed tiles keep the masked diagonal band narrow.
       - GPU, D <= 128, 16-bit: 8 warps for both. The dk/dv program's two fp32 accumulators
         (128 keys × D) alone take 256 registers per thread in 4 warps, more than the 255 a thread
-        may hold, so they spill; in 8 warps they take half."""
+        may hold, so they spill; in 8 warps they take half. With the score tiles on top the program
+        still spills a little, which costs less than any smaller tile measured (RESULTS.md)."""
     if interpret:
         dkdv, dq = (16, 32, 4, 1), (32, 16, 4, 1)
     elif D <= 128 and dtype != torch.float32:
@@ -499,6 +500,21 @@ if HAS_TRITON:
         tl.store(QMax + row, tl.max(tl.abs(q), 1), mask=inside)
 
     @triton.jit
+    def _scaled_fp16(X, Scale, Out, seq_len, H, G, stride_xb, stride_xh, stride_xs, stride_xd,
+                     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Out = X · Scale[b, h // G] in fp16, (B, H, S, D) contiguous: the scaled copies of
+        _backward_operands in one pass (torch.mul into an fp16 out= runs a slow casting loop)."""
+        bh = tl.program_id(0)                                 # b·H + h; Scale is (B, H / G)
+        b, h = bh // H, bh % H
+        offs_m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        x = _load_rows(X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + offs_m[:, None] * stride_xs
+                       + offs_d[None, :] * stride_xd, offs_m, seq_len, offs_d, HEAD_DIM, True)
+        out = Out + (bh.to(tl.int64) * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+        tl.store(out, (x * tl.load(Scale + bh // G)).to(tl.float16),
+                 mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM))
+
+    @triton.jit
     def _query_tile_range(RANGE: tl.constexpr, n0, seq_len, full_end, any_end, n_listed,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Query tiles [lo, hi) of one range for keys n0 … n0+BLOCK_N-1 (query tile t holds rows
@@ -773,7 +789,7 @@ def _backward_operands(q, k, v, do_norms, q_max):
     <= 2·max‖dO_i‖·max‖v_j‖. do_norms, q_max: ‖dO_i‖ and max_d |q_id| per row (_attn_bwd_rows).
     Returns (q', k', scales (B, Hkv, 4) = [s_dS, 1/s_dS, 1/s_q, 1/s_k]); fp16 q and k pass through
     (s_q = s_k = 1), float32 inputs with every scale 1."""
-    B, Hkv, G = k.shape[0], k.shape[1], q.shape[1] // k.shape[1]
+    B, Hkv = k.shape[0], k.shape[1]
     one = torch.ones(B, Hkv, device=q.device)
     if q.dtype == torch.float32:
         return q, k, torch.stack([one] * 4, -1)
@@ -784,11 +800,18 @@ def _backward_operands(q, k, v, do_norms, q_max):
         return q, k, torch.stack([s_ds, inv_ds, one, one], -1)
     s_q, inv_q = _pow2_scale(largest(q_max))
     s_k, inv_k = _pow2_scale(torch.linalg.vector_norm(k.reshape(B, Hkv, -1), float("inf"), -1, dtype=torch.float32))
-    q16 = torch.empty(q.shape, dtype=torch.float16, device=q.device)   # q·s_q is exact in bf16, then
-    k16 = torch.empty(k.shape, dtype=torch.float16, device=k.device)   # stored as fp16: one pass each
-    torch.mul(q.unflatten(1, (Hkv, G)), s_q.to(q.dtype)[..., None, None, None], out=q16.unflatten(1, (Hkv, G)))
-    torch.mul(k, s_k.to(k.dtype)[..., None, None], out=k16)
-    return q16, k16, torch.stack([s_ds, inv_ds, inv_q, inv_k], -1)
+    return _scaled_copy(q, s_q), _scaled_copy(k, s_k), torch.stack([s_ds, inv_ds, inv_q, inv_k], -1)
+
+
+def _scaled_copy(x, scale):
+    """x (B, H, S, D) 16-bit times scale (B, Hkv), a power of two per KV head, as a contiguous fp16
+    tensor; exact for the scales _pow2_scale makes."""
+    B, H, S, D = x.shape
+    out = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    _scaled_fp16[(B * H, triton.cdiv(S, 64))](x, scale.contiguous(), out, S, H, H // scale.shape[1], *x.stride(),
+                                              BLOCK=64, BLOCK_D=max(16, triton.next_power_of_2(D)), HEAD_DIM=D,
+                                              num_warps=4)
+    return out
 
 
 def _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, sink, window, bs_args, block_size, has_bs,
@@ -890,8 +913,6 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
     reason = triton_unsupported(q.dtype, q.is_cuda, D, **_prefill_limits(block_mask, block_size))
     if reason is not None:
         raise ValueError(reason)
-    check_modes(modes, B, Hkv, device=q.device)
-    check_block_mask(block_mask, modes, S, block_size)
     has_bs = block_mask is not None
     smem = _shared_memory(q.device.index) if q.is_cuda and not interpreting() else None
     config = config or _tile_config(D, q.dtype, block_size, has_bs, interpreting(), smem)
@@ -900,6 +921,9 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
         if has_bs and max(cfg[0], cfg[1]) > block_size:
             raise ValueError(f"{name} BLOCK_M={cfg[0]}, BLOCK_N={cfg[1]} must not exceed "
                              f"block_size={block_size} for BLOCK_SPARSE heads")
+    # Last before the launch: reading the modes is a host sync, and the GPU idles until the next launch.
+    check_modes(modes, B, Hkv, device=q.device, block_mask_given=has_bs)
+    check_block_mask(block_mask, modes, S, block_size)
     sink, window = min(sink, S), min(window, S)   # beyond S they change nothing; keeps int32 math safe
     o, lse = _FusedHybridAttention.apply(q, k, v, modes.to(torch.int32), sink, window, block_mask,
                                          block_size, tuple(config), tuple(map(tuple, bwd_config)))
@@ -942,11 +966,12 @@ def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=6
     reference. Every backend is differentiable; the choice never depends on grad mode."""
     B, Hq, Hkv, S, D = check_qkv(q, k, v)
     check_sparse_params(sink, window, block_size)
-    check_modes(modes, B, Hkv, device=q.device)
+    check_modes(modes, B, Hkv, device=q.device, block_mask_given=block_mask is not None)
     check_block_mask(block_mask, modes, S, block_size)
     backend = prefill_backend(backend, q, block_mask, block_size)
     if backend == "triton":
-        return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
+        with values_checked():   # checked above: no second host sync
+            return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
     if backend == "torch" and modes.numel():
         mode = modes.flatten()[0]
         uniform = bool((modes == mode).all())  # host sync: only the torch backend asks

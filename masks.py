@@ -109,20 +109,26 @@ def checking_values():
     return _CHECK_VALUES.get()
 
 
-def check_mode_values(modes):
-    """Every entry one of the three modes (reads the values: one host sync)."""
-    bad = modes[(modes < FULL) | (modes > BLOCK_SPARSE)]
-    if bad.numel():
-        raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad.unique().tolist()}")
+def check_mode_values(modes, block_mask_given=True):
+    """Every entry one of the three modes, and no BLOCK_SPARSE head without a block mask. Reads the
+    smallest and largest mode: one host sync, which stalls the GPU until the host launches again."""
+    if modes.numel() == 0:
+        return
+    lo, hi = torch.stack(modes.aminmax()).tolist()
+    if lo < FULL or hi > BLOCK_SPARSE:
+        bad = modes[(modes < FULL) | (modes > BLOCK_SPARSE)].unique().tolist()
+        raise ValueError(f"modes must be in {{0 FULL, 1 STREAMING, 2 BLOCK_SPARSE}}, got {bad}")
+    if hi == BLOCK_SPARSE and not block_mask_given:
+        raise ValueError("some heads are BLOCK_SPARSE (mode 2) but block_mask is None")
 
 
-def check_modes(modes, B, Hkv, device=None):
+def check_modes(modes, B, Hkv, device=None, block_mask_given=True):
     if not isinstance(modes, torch.Tensor) or modes.dtype.is_floating_point or modes.dtype == torch.bool:
         raise ValueError(f"modes must be an integer tensor of shape ({B}, {Hkv}), got {modes!r}")
     if tuple(modes.shape) != (B, Hkv):
         raise ValueError(f"modes has shape {tuple(modes.shape)}, expected (B, Hkv) = ({B}, {Hkv})")
     if checking_values():
-        check_mode_values(modes)
+        check_mode_values(modes, block_mask_given)
     if device is not None and modes.device != device:
         raise ValueError(f"modes is on {modes.device} but q is on {device}")
 
@@ -147,11 +153,10 @@ def num_blocks(seq_len, block_size):
 
 
 def check_block_mask(block_mask, modes, seq_len, block_size):
-    """block_mask is required (B, Hkv, nB, nB) bool as soon as any head is BLOCK_SPARSE."""
+    """block_mask (B, Hkv, nB, nB) bool. It is required as soon as any head is BLOCK_SPARSE: pass
+    block_mask_given=block_mask is not None to check_modes, which reads the modes anyway."""
     B, Hkv = modes.shape
     if block_mask is None:
-        if checking_values() and (modes == BLOCK_SPARSE).any():
-            raise ValueError("some heads are BLOCK_SPARSE (mode 2) but block_mask is None")
         return
     nB = num_blocks(seq_len, block_size)
     if block_mask.dtype != torch.bool or tuple(block_mask.shape) != (B, Hkv, nB, nB):
@@ -193,7 +198,7 @@ def hybrid_mask(seq_len, modes, sink, window, block_mask=None, block_size=64, q_
     """
     check_sparse_params(sink, window, block_size)
     B, Hkv = modes.shape
-    check_modes(modes, B, Hkv)
+    check_modes(modes, B, Hkv, block_mask_given=block_mask is not None)
     check_block_mask(block_mask, modes, seq_len, block_size)
     device = modes.device
     b = torch.arange(B, device=device).view(B, 1, 1, 1)

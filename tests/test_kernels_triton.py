@@ -326,6 +326,21 @@ def test_pow2_scale_is_an_exact_power_of_two_into_range(bound):
         assert 2**12 <= bound * s.item() < 2**13
 
 
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.integers(1, 3), S=st.integers(1, 130),
+       D=st.sampled_from([8, 24, 64]), e=st.integers(-40, 20), seed=st.integers(0, 2**16))
+@settings(SETTINGS)
+def test_scaled_copy_is_exact_fp16_of_each_heads_power_of_two(B, Hkv, G, S, D, e, seed):
+    """_backward_operands' fp16 copies: a bf16 (B, H, S, D) tensor, strided, times a power of two per
+    KV head that brings its largest entry below 2^13, equals float64's product cast to fp16."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, S, G * Hkv, D, generator=gen) * 2.0**e).to(DEVICE, torch.bfloat16).transpose(1, 2)
+    scale, _ = kernels._pow2_scale(x.float().abs().reshape(B, Hkv, -1).amax(-1))
+    out = kernels._scaled_copy(x, scale)
+    assert out.dtype == torch.float16 and out.is_contiguous()
+    want = (x.double() * scale.double().repeat_interleave(G, 1)[..., None, None]).half()
+    assert torch.equal(out, want)
+
+
 def test_gradients_where_unscaled_ds_overflows_fp16():
     """v and dO times 2^7 each: |dS| passes fp16's largest value (65504), and a dS rounded to fp16
     unscaled would be inf. With _backward_operands' power-of-two scales the kernel is exactly
