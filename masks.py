@@ -122,7 +122,9 @@ def check_mode_values(modes, block_mask_given=True):
         raise ValueError("some heads are BLOCK_SPARSE (mode 2) but block_mask is None")
 
 
-def check_modes(modes, B, Hkv, device=None, block_mask_given=True):
+def check_modes(modes, B, Hkv, device=None, *, block_mask_given):
+    """modes (B, Hkv) integer, on q's device; block_mask_given: whether the caller holds a block mask,
+    which BLOCK_SPARSE heads need (asked, not defaulted, so that no caller skips that check)."""
     if not isinstance(modes, torch.Tensor) or modes.dtype.is_floating_point or modes.dtype == torch.bool:
         raise ValueError(f"modes must be an integer tensor of shape ({B}, {Hkv}), got {modes!r}")
     if tuple(modes.shape) != (B, Hkv):

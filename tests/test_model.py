@@ -424,12 +424,12 @@ def test_model_checks_its_layers_inputs_once_and_routers_outputs_after_them():
 def test_values_checked_skips_value_checks_only_inside_and_only_those():
     bad_modes = torch.full((1, 2), 7, dtype=torch.int32)
     with pytest.raises(ValueError, match="modes must be in"):
-        masks.check_modes(bad_modes, 1, 2)
+        masks.check_modes(bad_modes, 1, 2, block_mask_given=True)
     with masks.values_checked():
-        masks.check_modes(bad_modes, 1, 2)                        # values: skipped
+        masks.check_modes(bad_modes, 1, 2, block_mask_given=True)                        # values: skipped
         masks.check_lengths(torch.tensor([0]), 1, 4)
         with pytest.raises(ValueError, match="shape"):            # shapes: still checked
-            masks.check_modes(bad_modes, 1, 3)
+            masks.check_modes(bad_modes, 1, 3, block_mask_given=True)
     with pytest.raises(ValueError, match=r"lengths must be in \[1, S=4\]"):
         masks.check_lengths(torch.tensor([0]), 1, 4)              # checked again after the block
 
