@@ -467,21 +467,26 @@ def freeze_backbone(model):
 
 
 def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lambda_lr=1e-3,
-                    betas=(0.9, 0.95), weight_decay=0.1, warmup_frac=0.2, rank_params=(), rank_lr=None):
+                    betas=(0.9, 0.95), weight_decay=0.1, warmup_frac=0.2, rank_params=(), rank_lr=None,
+                    lambda_schedule="cosine"):
     """One AdamW with three groups, and a LambdaLR: linear warm-up over warmup_frac, then cosine to 0.
 
     Groups (paper Table 6): router weight matrices (lr 5e-4, wd 0.1), router biases (lr 5e-4, no
     decay, as nanoGPT and HF Trainer do), and λ (lr 1e-3, no decay, maximize=True: gradient ascent).
     torch's AdamW reads `maximize` per param group, so one optimizer and one scheduler serve both
-    players of the min-max. The schedule scales every group alike. Learning rates must be finite
-    and > 0: a negative λ lr would silently turn the ascent into a descent. rank_params (ranked
-    routers' per-head logits; not in router_params) get a group of their own at rank_lr, no decay.
+    players of the min-max. Learning rates must be finite and > 0: a negative λ lr would silently
+    turn the ascent into a descent. rank_params (ranked routers' per-head logits; not in
+    router_params) get a group of their own at rank_lr, no decay. The schedule scales every group
+    alike, but for lambda_schedule="constant": λ then stays at its peak after the warm-up, so the
+    multipliers keep tracking their targets while the routers' steps shrink.
     """
     rank_params = list(rank_params)
     lrs = dict(router_lr=router_lr, lambda_lr=lambda_lr, **(dict(rank_lr=rank_lr) if rank_params else {}))
     for name, lr in lrs.items():
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
             raise ValueError(f"{name} must be a finite number > 0, got {lr!r}")
+    if lambda_schedule not in ("cosine", "constant"):
+        raise ValueError(f"lambda_schedule must be 'cosine' or 'constant', got {lambda_schedule!r}")
     if not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
     if not 0.0 <= warmup_frac < 1.0:
@@ -496,15 +501,20 @@ def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lamb
              maximize=True, name="lambda"),
         dict(params=rank_params, lr=rank_lr, weight_decay=0.0, maximize=False, name="rank"),
     ]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], betas=betas)
+    groups = [g for g in groups if g["params"]]
+    optimizer = torch.optim.AdamW(groups, betas=betas)
 
     warmup = round(warmup_frac * total_steps)
 
-    def lr_scale(step):
+    def lr_scale(step, decay=True):
         if step < warmup:
             return (step + 1) / (warmup + 1)                # linear warm-up to the peak at step `warmup`; never 0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup)) if decay else 0.0
         return 0.5 * (1.0 + math.cos(math.pi * progress))   # cosine from 1 to 0
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_scale)
+    def lambda_scale(step):
+        return lr_scale(step, decay=lambda_schedule == "cosine")
+
+    scales = [lambda_scale if g["name"] == "lambda" else lr_scale for g in groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scales)
 

@@ -102,7 +102,10 @@ PRESETS = {
     # target of 0.98 left them at 0.94-0.97 and moved no 4K comparison past its spread (RESULTS.md).
     # Start at log α = −1.5 (Ω ≈ 0.82), between the targets, so the categories' multipliers pull
     # apart from the first step. 600 steps: with Adam a multiplier moves ~lr per step, and at 300 the
-    # robust inputs stopped short. The static gates (one logit per head) get DuoAttention's lr 2e-2.
+    # robust inputs stopped short. λ's lr stays at its peak after the warm-up: decayed with the routers',
+    # the sensitive multiplier was still unwinding its early pull towards FULL when its lr ran out, and
+    # two seeds of three deployed 0.03-0.05 denser than 0.45 (RESULTS.md). The static gates (one logit
+    # per head) get DuoAttention's lr 2e-2.
     # Deployed by one count over all layers, as gpu: FULL heads go where the one ranking puts them,
     # not a quota per layer. 128 held-out inputs per task: at 64, a fixed set's binomial noise
     # (±3 points at 93 %) was most of the spread of its margin between seeds (RESULTS.md).
@@ -110,8 +113,8 @@ PRESETS = {
                     device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=600,
                     router="ranked", router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5,
                     consistency=3.0, deploy="global", loss="balanced", router_norm=True, targets=(0.45, 0.95),
-                    static_steps=150, static_lr=2e-2, lambda_lr=4e-2, eval_per_task=128, eval_batch=8,
-                    calib_per_task=32, curve_points=6),
+                    static_steps=150, static_lr=2e-2, lambda_lr=4e-2, lambda_schedule="constant",
+                    eval_per_task=128, eval_batch=8, calib_per_task=32, curve_points=6),
 }
 # --smoke: the tiny preset cut down to a quick look (the numbers mean little).
 SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
@@ -151,6 +154,9 @@ def build_parser():
     g.add_argument("--static-lr", type=float, help="the trained static gates' peak learning rate (one logit "
                                                  "per head: it needs a larger one than an MLP)")
     g.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
+    g.add_argument("--lambda-schedule", choices=["cosine", "constant"],
+                   help="λ's lr after the warm-up: down with the routers' (cosine; tiny, gpu) or held at its peak "
+                        "(constant; smollm2)")
     g.add_argument("--router", choices=["mlp", "ranked"],
                    help="mlp: the paper's router, a logit per head from its pooled keys (default of tiny); "
                         "ranked: one learned ranking of the heads, shifted per input by a router on layer 0's "
@@ -208,11 +214,13 @@ def settings_from(args):
         fail("--smoke is a cut-down tiny preset; drop --preset or --smoke")
     P = dict(PRESETS[args.preset], **(SMOKE if args.smoke else {}))
     for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "static_steps",
-                "static_lr", "lambda_lr", "seq_len", "curve_points", "calib_per_task", "router", "rank_lr"):
+                "static_lr", "lambda_lr", "seq_len", "curve_points", "calib_per_task", "router", "rank_lr",
+                "lambda_schedule"):
         if getattr(args, key) is not None:
             P[key] = getattr(args, key)
     P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
     P["router"], P["rank_lr"] = P.get("router", "mlp"), P.get("rank_lr", 5e-3)
+    P["lambda_schedule"] = P.get("lambda_schedule", "cosine")
     P["data_workers"] = args.data_workers
     P["cuda_graph"] = not args.eager
     P["deploy"] = args.deploy or P.get("deploy", "threshold")
@@ -518,10 +526,10 @@ def router_settings(run, model, targets):
     P, args = run.P, run.args
     return dict(config=asdict(model.cfg), seed=args.seed, steps=P["steps"], batch_size=P["batch_size"],
                 router_lr=P["router_lr"], static_steps=P["static_steps"], static_lr=P["static_lr"],
-                lambda_lr=P["lambda_lr"], targets=list(targets), gate=args.gate, abs_lagrangian=args.abs_lagrangian,
-                logit_penalty=P["logit_penalty"], router_init=P["router_init"], consistency=P["consistency"],
-                clip=P.get("clip"), loss=P.get("loss", "tokens"),
-                router_norm=P.get("router_norm", False), router=P["router"],
+                lambda_lr=P["lambda_lr"], lambda_schedule=P["lambda_schedule"], targets=list(targets),
+                gate=args.gate, abs_lagrangian=args.abs_lagrangian, logit_penalty=P["logit_penalty"],
+                router_init=P["router_init"], consistency=P["consistency"], clip=P.get("clip"),
+                loss=P.get("loss", "tokens"), router_norm=P.get("router_norm", False), router=P["router"],
                 rank_lr=P["rank_lr"] if P["router"] == "ranked" else None,
                 haystack=args.haystack if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
@@ -733,7 +741,8 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     lagrangian = lagrangian.to(run.device)
     optimizer, scheduler = router_lib.build_optimizer(mlps, lagrangian, steps, lambda_lr=P["lambda_lr"],
                                                       router_lr=P["static_lr" if static else "router_lr"],
-                                                      rank_params=rank, rank_lr=P["rank_lr"])
+                                                      rank_params=rank, rank_lr=P["rank_lr"],
+                                                      lambda_schedule=P["lambda_schedule"])
     step_model = torch.nn.parallel.DistributedDataParallel(model) if run.ddp else model
     graph = StepGraph(params + list(lagrangian.parameters())) if replays_as_graph(run, model) else None
     state = dict(model=model, lagrangian=lagrangian, optimizer=optimizer, scheduler=scheduler)

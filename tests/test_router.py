@@ -526,6 +526,24 @@ def test_build_optimizer_groups_and_schedule():
     assert peak.index(max(peak)) == 20
 
 
+def test_build_optimizer_constant_lambda_schedule_holds_lambda_at_its_peak():
+    """lambda_schedule="constant": λ warms up with the routers, then keeps its peak lr while theirs decays."""
+    r = AttentionRouter(8, pool_tokens=3)
+    opt, sched = build_optimizer(r.parameters(), SparsityLagrangian(2, [0.7, 1.0]), total_steps=100,
+                                 lambda_lr=2e-3, lambda_schedule="constant")
+    groups = {g["name"]: g for g in opt.param_groups}
+    lrs = []
+    for _ in range(100):
+        lrs.append({n: g["lr"] for n, g in groups.items()})
+        opt.step()
+        sched.step()
+    assert abs(lrs[0]["lambda"] - 2e-3 / 21) < 1e-12 and abs(lrs[0]["router"] - 5e-4 / 21) < 1e-12, lrs[0]
+    assert all(abs(x["lambda"] - 2e-3) < 1e-12 for x in lrs[20:]), [x["lambda"] for x in lrs[20:]]
+    assert abs(lrs[60]["router"] - 2.5e-4) < 1e-12 and lrs[99]["router"] < 1e-6, (lrs[60], lrs[99])
+    with pytest.raises(ValueError, match="lambda_schedule must be 'cosine' or 'constant', got 'linear'"):
+        build_optimizer(r.parameters(), SparsityLagrangian(1, [0.5]), 10, lambda_schedule="linear")
+
+
 def test_toy_min_max_reaches_target_sparsity():
     """Free logits for 5 layers × 8 heads; an "LM loss" that charges c_h for every sparse head
     (some heads matter more) pulls towards FULL; the Lagrangian with target 0.7 pushes back."""
