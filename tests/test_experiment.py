@@ -208,7 +208,7 @@ def test_resume_refuses_other_settings(quick_run, tmp_path):
     """--resume with other targets / learning rates / gate would silently keep the saved ones."""
     out, _ = quick_run
     for flag, value in (("--targets", "0.5,1.0"), ("--router-lr", "1e-3"), ("--lambda-lr", "1e-3"),
-                        ("--gate", "gumbel")):
+                        ("--lambda-schedule", "constant"), ("--gate", "gumbel")):
         proc = run_script("--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"), *QUICK[2:],
                           flag, value, "--out", str(tmp_path), timeout=120)
         assert proc.returncode != 0 and "was trained with other settings" in proc.stderr, (flag, proc.stderr[-1500:])
