@@ -506,14 +506,14 @@ def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lamb
 
     warmup = round(warmup_frac * total_steps)
 
-    def lr_scale(step, decay=True):
+    def lr_scale(step):
         if step < warmup:
             return (step + 1) / (warmup + 1)                # linear warm-up to the peak at step `warmup`; never 0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup)) if decay else 0.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))   # cosine from 1 to 0
 
     def lambda_scale(step):
-        return lr_scale(step, decay=lambda_schedule == "cosine")
+        return lr_scale(step if lambda_schedule == "cosine" else min(step, warmup))   # constant: the peak's 1
 
     scales = [lambda_scale if g["name"] == "lambda" else lr_scale for g in groups]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scales)
