@@ -499,7 +499,7 @@ class Transformer(nn.Module):
             return
         values = torch.stack(list(values))    # one host sync for every layer's values
         if name == "modes":
-            masks.check_mode_values(values)
+            masks.check_mode_values(values, block_mask_given=True)   # the layers make XAttention masks themselves
         elif ((values < 0) | (values > 1) | values.isnan()).any():
             raise ValueError(f"{name} must lie in [0, 1]" + (" (z = 1 FULL, 0 sparse)" if name == "z" else ""))
 

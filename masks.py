@@ -109,7 +109,7 @@ def checking_values():
     return _CHECK_VALUES.get()
 
 
-def check_mode_values(modes, block_mask_given=True):
+def check_mode_values(modes, block_mask_given):
     """Every entry one of the three modes, and no BLOCK_SPARSE head without a block mask. Reads the
     smallest and largest mode: one host sync, which stalls the GPU until the host launches again."""
     if modes.numel() == 0:

@@ -426,7 +426,7 @@ def test_values_checked_skips_value_checks_only_inside_and_only_those():
     with pytest.raises(ValueError, match="modes must be in"):
         masks.check_modes(bad_modes, 1, 2, block_mask_given=True)
     with masks.values_checked():
-        masks.check_modes(bad_modes, 1, 2, block_mask_given=True)                        # values: skipped
+        masks.check_modes(bad_modes, 1, 2, block_mask_given=True)    # values: skipped
         masks.check_lengths(torch.tensor([0]), 1, 4)
         with pytest.raises(ValueError, match="shape"):            # shapes: still checked
             masks.check_modes(bad_modes, 1, 3, block_mask_given=True)
