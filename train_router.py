@@ -84,13 +84,14 @@ PRESETS = {
     # on two as well. Ranking lr 2e-2 (SmolLM2: 5e-3): at 5e-3 one backbone's ranking had not moved
     # far enough when the schedule ran out, and that seed lost 20 points of kv_recall (RESULTS.md).
     # Deployed by one count over all layers: that seed's kv_recall needs all four heads of layer 0,
-    # and counted layer by layer the layer got three (RESULTS.md).
+    # and counted layer by layer the layer got three (RESULTS.md). λ's lr held after the warm-up, as
+    # SmolLM2's (below): decayed, the sensitive inputs deployed at 0.57-0.60 (RESULTS.md).
     "gpu": dict(suite="synthetic", model="gpu", seq_len=4096, device="cuda", backend="auto", backbone=None,
                 backbone_stages=[(256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)],
                 batch_size=16, steps=600, router="ranked", router_lr=1e-3, rank_lr=2e-2, clip=5.0,
                 logit_penalty=0.03, router_init=-1.5, consistency=3.0, deploy="global", loss="balanced",
                 router_norm=True, targets=(0.6, 0.95), static_steps=150, static_lr=2e-2, lambda_lr=6e-2,
-                eval_per_task=64, eval_batch=16, curve_points=11),
+                lambda_schedule="constant", eval_per_task=64, eval_batch=16, curve_points=11),
     # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, news prose, routers
     # trained at 4K tokens and evaluated at 4K, 6K and 8K. Ranked routers: one learned order of the
     # heads, and a router on layer 0's keys that sets per input how far down it goes FULL (the
@@ -155,8 +156,8 @@ def build_parser():
                                                  "per head: it needs a larger one than an MLP)")
     g.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
     g.add_argument("--lambda-schedule", choices=["cosine", "constant"],
-                   help="λ's lr after the warm-up: down with the routers' (cosine; tiny, gpu) or held at its peak "
-                        "(constant; smollm2)")
+                   help="λ's lr after the warm-up: down with the routers' (cosine; tiny) or held at its peak "
+                        "(constant; gpu, smollm2)")
     g.add_argument("--router", choices=["mlp", "ranked"],
                    help="mlp: the paper's router, a logit per head from its pooled keys (default of tiny); "
                         "ranked: one learned ranking of the heads, shifted per input by a router on layer 0's "
