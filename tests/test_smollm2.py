@@ -631,7 +631,7 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     monkeypatch.setattr(smollm2, "verify_gguf", lambda path: path)   # the tiny file, not the pinned one
     shapes, train_step = [], train_router.train_step   # each training batch's token shape
     monkeypatch.setattr(train_router, "train_step",
-                        lambda *a, **k: shapes.append(tuple(a[8]["tokens"].shape)) or train_step(*a, **k))
+                        lambda *a, **k: shapes.append(tuple(a[7]["tokens"].shape)) or train_step(*a, **k))
     out = tmp_path / "run"
     train_router.main(["--preset", "smollm2", "--gguf", tiny_file[0], "--haystack", "pydoc", "--device", "cpu",
                        "--seq-len", "1024", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
