@@ -321,7 +321,7 @@ class Run:
         return self.rank == 0
 
     @property
-    def ddp(self):
+    def parallel(self):   # several processes (torchrun), each with its shard of every batch
         return self.world > 1
 
     def log(self, *a, **k):
@@ -663,11 +663,11 @@ def log_row(run, model, lagrangian, sens, step, parts, omega, log_alpha, b, lr):
 
 
 def replays_as_graph(run, model):
-    """Whether the training steps replay as a CUDA graph (StepGraph): on a GPU (with several, each
-    process replays its own and the gradients are summed after the replay), with the hard-concrete gate (the Gumbel gate's temperature changes every step), and
-    with attention in the fused kernel, which needs no host sync (the torch backend asks whether the
-    heads share a mode). Head configurations with XAttention heads run op by op: their recording is
-    untested."""
+    """Whether the training steps replay as a CUDA graph (StepGraph): on a GPU (with several processes,
+    each replays its own; the gradients are summed after the replay), with the hard-concrete gate
+    (the Gumbel gate's temperature changes every step), and with attention in the fused kernel,
+    which needs no host sync (the torch backend asks whether the heads share a mode). Head
+    configurations with XAttention heads run op by op: their recording is untested."""
     cfg = model.cfg
     if run.device.type != "cuda" or not run.P["cuda_graph"] or cfg.gate != "hard-concrete":
         return False
@@ -744,8 +744,8 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
                                                       router_lr=P["static_lr" if static else "router_lr"],
                                                       rank_params=rank, rank_lr=P["rank_lr"],
                                                       lambda_schedule=P["lambda_schedule"])
-    if run.ddp:  # every process starts from rank 0's gates (and their input standardisation)
-        for module in [*model.routers, model.shift_router or torch.nn.Module()]:
+    if run.parallel:  # every process starts from rank 0's gates (and their input standardisation)
+        for module in model.routers + ([model.shift_router] if model.shift_router is not None else []):
             for t in module.state_dict().values():
                 dist.broadcast(t, 0)
     graph = StepGraph(params + list(lagrangian.parameters())) if replays_as_graph(run, model) else None
@@ -816,7 +816,7 @@ def train_step(run, model, lagrangian, optimizer, scheduler, params, sens, b, st
         parts, omega, log_alpha = loss_and_grads(b)
     else:
         parts, omega, log_alpha = graph(loss_and_grads, b)
-    if run.ddp:  # each shard's loss is its part of the global batch's: the gradient is their sum
+    if run.parallel:  # each shard's loss is its part of the global batch's: the gradient is their sum
         sum_over_processes([*params, *lagrangian.parameters()])
     if run.P.get("clip"):  # the routers' gradient only; λ's ascent is left alone
         torch.nn.utils.clip_grad_norm_(params, run.P["clip"])
@@ -828,7 +828,7 @@ def train_step(run, model, lagrangian, optimizer, scheduler, params, sens, b, st
 def stop_if_interrupted(run, interrupted, save, static, path, done):
     """After a Ctrl-C: save and exit, every rank after the same step (else the others wait forever)."""
     stop = bool(interrupted)
-    if run.ddp:
+    if run.parallel:
         stop = torch.tensor([float(stop)], device=run.device)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         stop = bool(stop.item())
@@ -948,7 +948,7 @@ def evaluate(run, model, choose=None, seq_len=None, names=None, split="eval"):
                      info["omega_esr"].float().cpu(), info["omega_esr_last"].float().cpu(),
                      torch.stack(info["z"]).float().cpu()))
     parts = [mine]
-    if run.ddp:
+    if run.parallel:
         parts = [None] * run.world
         dist.all_gather_object(parts, mine)
     rows = [r for part in parts for r in part]
@@ -1068,7 +1068,7 @@ def evaluate_static(run, model, settings, results, progressive, points, long_len
         results["static_trained" + tag] = evaluate(run, model, fixed(model, order, mean_omega(results["elastic" + tag])),
                                                    seq_len)
     progressive["static_trained"] = frontier(run, model, order, points)
-    return static_log, gates, replica_difference(run, params) if run.ddp else None
+    return static_log, gates, replica_difference(run, params) if run.parallel else None
 
 
 def omega_agreement(run, train_log, results):
@@ -1118,7 +1118,7 @@ def main(argv=None):
     targets = [t_sens if t.category == "sensitive" else t_rob for t in suite.tasks]
     train_log, params = train_gates(run, model, settings, False, targets,     # 3. routers
                                     os.path.join(out_dir, "router.pt"), resume=args.resume)
-    rank_diff = {"routers": replica_difference(run, params)} if run.ddp else {}
+    rank_diff = {"routers": replica_difference(run, params)} if run.parallel else {}
     if run.main:
         elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings)
     gate_share = check_gate_share(run, train_log)
@@ -1127,7 +1127,7 @@ def main(argv=None):
     static_log, static_gates = [], None
     if not args.no_static:                                                    # 5. static gates
         static_log, static_gates, diff = evaluate_static(run, model, settings, results, progressive, points, long_len)
-        if run.ddp:
+        if run.parallel:
             rank_diff["static"] = diff
     for name in progressive:  # dense and all-sparse close every curve
         progressive[name] = {"0.000": {t: v["score"] for t, v in results["dense"].items()}, **progressive[name],
@@ -1142,7 +1142,7 @@ def main(argv=None):
             static_trained_gates=None if static_gates is None else static_gates.tolist(), results=results,
             progressive={str(P["seq_len"]): progressive}, train_log=train_log, static_log=static_log,
             decoded_answers=decoded_answers(run, model)))
-    if run.ddp:
+    if run.parallel:
         dist.destroy_process_group()
 
 
