@@ -512,9 +512,10 @@ def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lamb
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))   # cosine from 1 to 0
 
-    def lambda_scale(step):
-        return lr_scale(step if lambda_schedule == "cosine" else min(step, warmup))   # constant: the peak's 1
+    def held(step):   # the warm-up, then the peak's 1
+        return lr_scale(min(step, warmup))
 
-    scales = [lambda_scale if g["name"] == "lambda" else lr_scale for g in groups]
+    hold_lambda = lambda_schedule == "constant"
+    scales = [held if hold_lambda and g["name"] == "lambda" else lr_scale for g in groups]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scales)
 
