@@ -37,8 +37,9 @@ once, keeps the one file and checks its sha256 (gensim is never installed). Narr
 in it looks like a pass key or a secret word. Or "pydoc", the prose of the Python language reference
 inside the standard library (`pydoc_data.topics`, PSF License v2; ~40K tokens once headings, code,
 grammar and tables are dropped): technical prose, harder for streaming heads, and its `pass`
-statement meets the pass key. Every third report (pydoc: topic) is held out, so evaluation
-haystacks never share a paragraph with training ones; text_fingerprint() names the text used.
+statement meets the pass key. Every third report (pydoc: topic) is held out, but for a report
+(paragraph) the training side has too, so evaluation haystacks never share a paragraph with training
+ones; text_fingerprint() names the text used.
 
 Tasks (each a ChatML user turn: instruction, document, question; the assistant answers):
     passkey      sensitive  a 5-digit pass key at a random depth in the document
@@ -466,7 +467,8 @@ def _prose_paragraphs(text):
 
 
 def load_text(split, haystack="news"):
-    """The paragraphs of one split ("train" or "eval") of a haystack, in a fixed order. pydoc: topic
+    """The paragraphs of one split ("train" or "eval") of a haystack, in a fixed order. news: every
+    third report held out, but for the 3 that the corpus repeats on the training side. pydoc: topic
     by topic, sorted; a paragraph that several topics repeat appears once, in eval if any eval
     topic has it."""
     if split not in ("train", "eval"):
@@ -476,7 +478,11 @@ def load_text(split, haystack="news"):
     if haystack == "news":
         with open(fetch_news(), encoding="utf-8") as f:
             reports = [line.strip() for line in f if line.strip()]
-        return [r for i, r in enumerate(reports) if (i % EVAL_EVERY == 1) == (split == "eval")]
+        train = [r for i, r in enumerate(reports) if i % EVAL_EVERY != 1]
+        if split == "train":
+            return train
+        seen = set(train)   # the corpus repeats 7 reports; one held out would be training text too
+        return list(dict.fromkeys(r for i, r in enumerate(reports) if i % EVAL_EVERY == 1 and r not in seen))
     from pydoc_data.topics import topics
     names = sorted(topics)
     held_out = [n for i, n in enumerate(names) if i % EVAL_EVERY == 1]

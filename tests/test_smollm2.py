@@ -334,7 +334,8 @@ def test_control_tokens_in_text_stay_text(tiny_tok, bpe):
 @pytest.fixture(autouse=True)
 def small_news(tmp_path_factory, monkeypatch):
     """A stand-in for the Lee news corpus (the real one comes in a 28 MB wheel): 90 short reports
-    in its format, one per line, each naming one of 45 mayors, in a cache folder of their own, with
+    in its format, one per line, each naming one of 45 mayors, then two of them again (the real
+    corpus repeats 7 reports, 3 of them across the split), in a cache folder of their own, with
     their sha256 as the expected one."""
     import hashlib
     folder = tmp_path_factory.getbasetemp() / "news-cache"
@@ -348,6 +349,7 @@ def small_news(tmp_path_factory, monkeypatch):
         reports = [" ".join(f"The {rng.choice(words)} of town {i} was {rng.choice(['busy', 'quiet', 'closed'])} "
                             f"on day {rng.randrange(1, 29)}, officials said." for _ in range(9))
                    + f" Officials and Mayor {mayors[i % 45]} met on day {rng.randrange(1, 29)}." for i in range(90)]
+        reports += [reports[3], reports[0]]   # 90 and 3 are training reports; 91 would be held out
         folder.mkdir(exist_ok=True)
         path.write_text("\n".join(reports) + "\n", encoding="utf-8")
     fetch = smollm2.fetch_news
