@@ -1,4 +1,4 @@
-"""report.py — what train_router.py shows you: the results table, the four plots, the hardware line,
+"""report.py — what train_router.py shows you: the results table, the plots, the hardware line,
 and the mean ± sd over seeds (`train_router.py --seeds`), closed by Elastic's margin over each head
 set paired by seed. Nothing here changes a number; it only reads results.json files.
 
@@ -70,13 +70,15 @@ def table(runs):
     heads = [(t + ("*" if metrics[t] == "nll" else ""))[:width - 1] for t in tasks]
     lines.append(f"{'method':<15}" + "".join(f"{h:<{width}}" for h in heads) + "Ω_ESR")
     keys = [k for k in first["results"] if k.split("@")[0] in dict(METHODS)]
+    left_out = [k for k in keys if not all(k in r["results"] for r in runs)]   # e.g. another longest length
+    keys = [k for k in keys if k not in left_out]
     order = {m: i for i, (m, _) in enumerate(METHODS)}
-    keys.sort(key=lambda k: (len(k.split("@")), k.split("@")[-1] if "@" in k else "", order[k.split("@")[0]]))
+    keys.sort(key=lambda k: (len(k.split("@")), int(k.split("@")[-1]) if "@" in k else 0, order[k.split("@")[0]]))
     for key in keys:
         if "@" in key and key.startswith("dense@"):   # a longer evaluation length: its own block
             lines.append(f"evaluated at {key.split('@')[1]} tokens:")
         cells = "".join(f"{_fmt(metrics[t], [r['results'][key][t]['score'] for r in runs], [r['results'][key][t]['omega_msr'] for r in runs]):<{width - 1}} "
-                        if t in first["results"][key] else " " * width for t in tasks)
+                        if all(t in r["results"][key] for r in runs) else " " * width for t in tasks)
         esr = statistics.mean(statistics.mean(v["omega_esr"] for v in r["results"][key].values()) for r in runs)
         lines.append(f"{dict(METHODS)[key.split('@')[0]]:<15}{cells}{esr:.2f}")
     if "gate_share_end" in first:
@@ -90,6 +92,8 @@ def table(runs):
         lines.append("Ω_MSR in training vs deployed: " + ", ".join(
             f"{c} {ms([r['omega_train_vs_deployed'][c]['train'] for r in runs])} vs "
             f"{ms([r['omega_train_vs_deployed'][c]['deployed'] for r in runs])}" for c in ("sensitive", "robust")))
+    if left_out:
+        lines.append(f"not in every run, left out: {', '.join(left_out)}")
     if len(runs) > 1:
         lines += margins(runs)
     return "\n".join(lines)
@@ -270,6 +274,14 @@ def aggregate(run_dirs, out_dir):
     for d in run_dirs:
         with open(os.path.join(d, "results.json")) as f:
             runs.append(json.load(f))
+    seeds = [r["seed"] for r in runs]
+    if len(set(seeds)) < len(seeds):
+        raise SystemExit(f"error: the runs repeat a seed ({seeds}); mean ± sd and the margins need distinct seeds")
+    setting = lambda r: {k: v for k, v in r["settings"].items() if k not in ("seed", "backbone_sha256")}
+    for d, r in zip(run_dirs[1:], runs[1:]):
+        diff = sorted(k for k in setting(r).keys() | setting(runs[0]).keys() if setting(r).get(k) != setting(runs[0]).get(k))
+        if diff:
+            raise SystemExit(f"error: {d!r} was run with other settings than {run_dirs[0]!r}: {', '.join(diff)}")
     keys = [k for k in runs[0]["results"] if all(k in r["results"] for r in runs)]
     summary = dict(runs=run_dirs, seeds=[r["seed"] for r in runs], hardware=runs[0]["hardware"], methods={})
     for key in keys:

@@ -469,7 +469,7 @@ def freeze_backbone(model):
 def build_optimizer(router_params, lagrangian, total_steps, router_lr=5e-4, lambda_lr=1e-3,
                     betas=(0.9, 0.95), weight_decay=0.1, warmup_frac=0.2, rank_params=(), rank_lr=None,
                     lambda_schedule="cosine"):
-    """One AdamW with three groups, and a LambdaLR: linear warm-up over warmup_frac, then cosine to 0.
+    """One AdamW with three groups (four with rank_params), and a LambdaLR: linear warm-up over warmup_frac, then cosine to 0.
 
     Groups (paper Table 6): router weight matrices (lr 5e-4, wd 0.1), router biases (lr 5e-4, no
     decay, as nanoGPT and HF Trainer do), and λ (lr 1e-3, no decay, maximize=True: gradient ascent).

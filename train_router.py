@@ -7,7 +7,7 @@ with no task id at inference.
     python train_router.py --seeds 0,1,2      # three router seeds, then a mean ± sd table
     python train_router.py --preset gpu       # 4K-token tasks on one GPU (trains its own backbone)
     python train_router.py --preset smollm2   # SmolLM2-135M on news text, one GPU (pip install -e ".[real]")
-    torchrun --nproc_per_node=2 train_router.py --preset gpu     # the same run on 2 GPUs (data parallel)
+    torchrun --nproc_per_node=2 train_router.py --preset gpu     # data parallel on 2 GPUs (RESULTS.md)
 
 main() is the outline, one stage after the other:
     1. backbone   train the model dense (every head FULL) on the task mix, or load one
@@ -197,7 +197,7 @@ def build_parser():
     g.add_argument("--eager", action="store_true", help="on a GPU, run each training step op by op instead of "
                                                        "replaying it as a CUDA graph (slower; a debugger can step in)")
     g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
-    g.add_argument("--curve-points", type=int, help="points of the progressive-sparsification curve (default 11)")
+    g.add_argument("--curve-points", type=int, help="points of the progressive-sparsification curve (presets: 11; smollm2 6)")
     g.add_argument("--calib-per-task", type=int, help="calibration prompts per task (training text, never trained "
                                                      "on): retrieval scores, the 'auto' target, router input statistics")
     g.add_argument("--seq-len", type=int, help="training (and first evaluation) length in tokens (tiny 256, gpu 4096, "
@@ -236,9 +236,11 @@ def settings_from(args):
     for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len", "calib_per_task"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    if P["eval_per_task"] > P["eval_batch"] and P["eval_per_task"] % P["eval_batch"]:  # whole evaluation batches
-        fail(f"--eval-per-task {P['eval_per_task']} is not a whole number of evaluation batches of "
-             f"{P['eval_batch']}: give at most {P['eval_batch']} or a multiple of it")
+    for key in ("eval_per_task", "calib_per_task"):   # whole evaluation batches
+        n = P.get(key, P["eval_per_task"])
+        if n > P["eval_batch"] and n % P["eval_batch"]:
+            fail(f"--{key.replace('_', '-')} {n} is not a whole number of evaluation batches of "
+                 f"{P['eval_batch']}: give at most {P['eval_batch']} or a multiple of it")
     for key in ("logit_penalty", "consistency"):
         if not (math.isfinite(P[key]) and P[key] >= 0):
             fail(f"--{key.replace('_', '-')} must be a finite number >= 0, got {P[key]}")
@@ -344,14 +346,16 @@ class Run:
         key = (split, name, i, seq_len)
         if key not in self.cache:
             task_id = self.suite.task(name).task_id
-            size = min(self.P["eval_batch"], self.P["eval_per_task"])
+            size = min(self.P["eval_batch"], self.per_task(split))
             self.cache[key] = (self.batch("eval", 1000 * task_id + i, size, [name], seq_len) if split == "eval" else
                                self.batch("train", CALIB + 1000 * task_id + i, size, [name], seq_len))
         return self.cache[key]
 
+    def per_task(self, split):
+        return self.P["eval_per_task"] if split == "eval" else self.P.get("calib_per_task", self.P["eval_per_task"])
+
     def n_batches(self, split):
-        per_task = self.P["eval_per_task"] if split == "eval" else self.P.get("calib_per_task", self.P["eval_per_task"])
-        return math.ceil(per_task / self.P["eval_batch"])
+        return math.ceil(self.per_task(split) / self.P["eval_batch"])
 
 
 def run_seeds(args, argv):
@@ -610,6 +614,11 @@ def resume_from(run, path, settings, static, steps, state):
             state[k].load_state_dict(ckpt[k])
     except (RuntimeError, ValueError, KeyError, TypeError) as e:
         fail(f"{path!r}: its saved state does not fit these routers ({type(e).__name__}: {str(e).splitlines()[0]})")
+    # The optimizer kept the old schedule's next lr (0 if that run finished): take it from this one.
+    scheduler = state["scheduler"]
+    for g, base, scale in zip(state["optimizer"].param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        g["lr"] = base * scale(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in state["optimizer"].param_groups]
     run.log(f"resumed from {path} at step {ckpt['step']}")
     return ckpt["step"], ckpt["log"]
 
@@ -644,11 +653,12 @@ def gate_loss(run, model, lagrangian, b, static):
     return (loss, lm, reg), info["omega_msr"], log_alpha.detach()
 
 
-def log_row(run, model, lagrangian, sens, step, parts, omega, log_alpha, b, lr):
+def log_row(run, model, sens, step, parts, omega, log_alpha, b, lr, lam):
     """One line of the training log; one host sync for all of it. Ω per category over this shard;
-    sens (T,) bool: which task ids are sensitive. A loss that is not a number stops the run here."""
+    sens (T,) bool: which task ids are sensitive; lr and λ1 (T,): what the step used. A loss that is
+    not a number stops the run here."""
     loss, lm, reg = parts
-    omega, is_sens, lam = omega.detach(), sens[b["task_ids"]].float(), lagrangian.lambda1.detach()
+    omega, is_sens = omega.detach(), sens[b["task_ids"]].float()
     active = router_lib.prob_gradient(log_alpha).mean() if model.cfg.gate == "hard-concrete" else \
         torch.ones((), device=run.device)  # share of this shard's gate draws passing gradient (Gumbel: all)
     w = run.world
@@ -820,9 +830,10 @@ def train_step(run, model, lagrangian, optimizer, scheduler, params, sens, b, st
         sum_over_processes([*params, *lagrangian.parameters()])
     if run.P.get("clip"):  # the routers' gradient only; λ's ascent is left alone
         torch.nn.utils.clip_grad_norm_(params, run.P["clip"])
+    lr, lam = optimizer.param_groups[0]["lr"], lagrangian.lambda1.detach().clone()   # what this step used
     optimizer.step()
     scheduler.step()
-    return log_row(run, model, lagrangian, sens, step, parts, omega, log_alpha, b, scheduler.get_last_lr()[0])
+    return log_row(run, model, sens, step, parts, omega, log_alpha, b, lr, lam)
 
 
 def stop_if_interrupted(run, interrupted, save, static, path, done):
@@ -991,7 +1002,7 @@ def category_omega(run, res, c):
     return statistics.mean(r["omega_msr"] for t, r in res.items() if run.suite.task(t).category == c)
 
 
-def rank_by_full_rate(run, routed, retrieval, names):
+def rank_by_full_rate(routed, retrieval, names):
     """Heads least often FULL on the routed calibration inputs of these tasks first; ties in favour
     of the higher retrieval score staying FULL."""
     rate = torch.tensor([routed[t]["full_frac"] for t in names]).mean(0).flatten().tolist()
@@ -1034,7 +1045,8 @@ def swap_control(run, model):
 def evaluate_all(run, model, orders):
     """Stage 4: every method at the training length, the swap control, the frontiers, then dense at
     longer lengths and every method at the longest one where the dense model still answers >= 90 %
-    of every accuracy task (else the shortest of them). Returns (results, progressive, long_len)."""
+    of every accuracy task (else the shortest of them). Returns (results, progressive, long_len, the
+    frontiers' Ω points)."""
     S = run.P["seq_len"]
     results, _ = compare(run, model, orders, S)
     results["swap"] = swap_control(run, model)
@@ -1151,9 +1163,9 @@ def head_orders(run, model, retrieval):
     how often the routers send a head FULL on calibration inputs (all tasks, and per category)."""
     routed = evaluate(run, model, split="calib")
     orders = dict(score=retrieval.flatten().argsort(),
-                  router_set=rank_by_full_rate(run, routed, retrieval, run.suite.names))
+                  router_set=rank_by_full_rate(routed, retrieval, run.suite.names))
     for c in ("sensitive", "robust"):
-        orders[c] = rank_by_full_rate(run, routed, retrieval, [t.name for t in run.suite.tasks if t.category == c])
+        orders[c] = rank_by_full_rate(routed, retrieval, [t.name for t in run.suite.tasks if t.category == c])
     return orders
 
 

@@ -1,6 +1,7 @@
 """The experiment script end to end (a few steps, seconds on CPU), its checkpoints, its bad input,
 and the retrieval score it ranks heads by."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -98,6 +99,11 @@ def test_resume_continues_from_the_router_checkpoint(quick_run, tmp_path):
     assert "resumed from" in proc.stdout
     log = json.loads((tmp_path / "results.json").read_text())["train_log"]
     assert [r["step"] for r in log] == [0, 1, 2, 3, 4]
+    # Each row logs the lr its step used: warm-up to the peak at step 1 (of 3), then the cosine
+    # re-planned for 5 steps from where the first run stopped (its own schedule had reached 0).
+    peak = log[1]["lr"]
+    assert peak > 0 and log[0]["lr"] == pytest.approx(peak / 2)
+    assert [r["lr"] for r in log[3:]] == pytest.approx([peak * 0.5 * (1 + math.cos(math.pi * p)) for p in (0.5, 0.75)])
 
 
 def ctrl_c(args, header=1):
@@ -182,6 +188,7 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     (["--seeds", "0"], "--seeds needs at least two distinct seeds"),
     (["--seeds="], "--seeds must be comma-separated integers, got ''"),
     (["--smoke", "--eval-per-task", "10"], "--eval-per-task 10 is not a whole number of evaluation batches of 8"),
+    (["--smoke", "--calib-per-task", "10"], "--calib-per-task 10 is not a whole number of evaluation batches of 8"),
     (["--smoke", "--preset", "gpu"], "--smoke is a cut-down tiny preset"),
 ] + ([] if torch.cuda.is_available() else [
     (["--device", "cuda:0"], "no CUDA device is available"),
@@ -436,6 +443,16 @@ def test_seeds_run_one_process_each_and_aggregate(tmp_path):
         scores = [r["results"]["elastic"][task]["score"] for r in runs]
         assert stats["score"]["mean"] == pytest.approx(sum(scores) / 2)
         assert stats["score"]["sd"] == pytest.approx(abs(scores[0] - scores[1]) / 2 ** 0.5)
+    # report.py refuses runs it cannot pair by seed, and a method one run lacks is left out, named
+    with pytest.raises(SystemExit, match=r"repeat a seed \(\[0, 0\]\)"):
+        report.aggregate([str(tmp_path / "seed0")] * 2, str(tmp_path / "again"))
+    other = dict(runs[1], settings=dict(runs[1]["settings"], steps=3))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "results.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="was run with other settings than .*: steps"):
+        report.aggregate([str(tmp_path / "seed0"), str(tmp_path / "other")], str(tmp_path / "again"))
+    del runs[1]["results"]["swap"]
+    assert "not in every run, left out: swap" in report.table(runs)   # not a KeyError
 
 
 def test_report_margins_pair_elastic_with_each_head_set_by_seed():

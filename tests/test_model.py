@@ -41,6 +41,13 @@ def test_model_shapes_and_derived_fields():
     assert elastic_attention.Config(dim=128).ffn_dim == 352  # 2/3 · 512 = 341.3 → next multiple of 32
     with pytest.raises(ValueError, match="unknown model shape 'huge'"):
         elastic_attention.Config.shape("huge")
+    for bad, message in ((dict(n_kv_heads=0), "n_kv_heads must be an int >= 1, got 0"),
+                         (dict(n_layers=0), "n_layers must be an int >= 1, got 0"),
+                         (dict(xa_stride=0), "xa_stride must be an int >= 1, got 0"),
+                         (dict(rope_theta=-1.0), r"rope_theta .* got -1.0, 1e-05"),
+                         (dict(norm_eps=-1e-6), r"norm_eps .* got 10000.0, -1e-06")):
+        with pytest.raises(ValueError, match=message):   # not a ZeroDivisionError or non-finite logits later
+            elastic_attention.Config(**bad)
 
 
 @SETTINGS
