@@ -83,6 +83,8 @@ class KVCache:
         """An empty cache: modes is a list of per-layer (B, Hkv) int tensors decided at prefill;
         max_len the most tokens it will hold (prompt + new tokens)."""
         check_sparse_params(sink, window)
+        for m in modes:   # BLOCK_SPARSE heads keep every row, as FULL ones
+            masks.check_modes(m, *modes[0].shape, block_mask_given=True)
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
         check_backend(backend)
@@ -236,11 +238,20 @@ def check_decode_inputs(q, k, v, start, cap, n_tokens):
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} "
                          f"on {q.device}/{k.device}/{v.device}")
-    if start.dim() != 2 or start.shape != cap.shape or start.shape[0] != B or Hq % start.shape[1]:
+    if (start.dim() != 2 or start.shape != cap.shape or start.shape[0] != B or start.shape[1] < 1
+            or Hq % start.shape[1]):
         raise ValueError(f"start {tuple(start.shape)} and cap {tuple(cap.shape)} must be (B, Hkv) with B={B} "
                          f"and Hkv dividing Hq={Hq}")
+    if start.dtype != torch.int64 or cap.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"start must be int64 (start·D passes 2^31 in a long cache) and cap int32 or int64, "
+                         f"got {start.dtype} and {cap.dtype}")
     if not isinstance(n_tokens, int) or n_tokens < 1:
         raise ValueError(f"n_tokens must be an int >= 1 (the query sees itself), got {n_tokens!r}")
+    if masks.checking_values() and start.numel():   # one host sync; the model's decode step skips it
+        low_cap, low_start, end = torch.stack([cap.min().long(), start.min(), (start + cap).max()]).tolist()
+        if low_cap < 1 or low_start < 0 or end > k.shape[0]:
+            raise ValueError(f"each head needs cap >= 1 and rows start … start + cap - 1 inside k's {k.shape[0]} "
+                             f"rows, got cap down to {low_cap}, start down to {low_start}, start + cap up to {end}")
     return B, Hq, start.shape[1], D
 
 
@@ -260,8 +271,6 @@ def decode_attention_reference(q, k, v, start, cap, n_tokens):
 
 
 if HAS_TRITON:
-    _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: turns the log2-domain LSE back into natural log
-
     @triton.jit(do_not_specialize=["n_tokens", "keys_per_split", "n_heads", "H_KV", "G"])
     def _decode_split_kernel(
         Q, K, V, Start, Cap, Opart, Lse,                                   # pointers

@@ -47,14 +47,27 @@ BACKENDS = ("auto", "reference", "torch", "triton")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read once: @triton.jit reads it as this file loads
+
+
 def interpreting():
-    """Whether Triton runs its kernels on the CPU (TRITON_INTERPRET=1, read when triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton runs this file's kernels on the CPU (TRITON_INTERPRET=1 when it was imported)."""
+    return _INTERPRET
 
 
 def check_backend(backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_int32_reach(**tensors):
+    """The kernels offset each (sample, head) in int64 but rows and columns inside it in int32:
+    refuse a tensor whose last two axes reach 2^31 elements (a transposed view of a long, wide input)."""
+    for name, t in tensors.items():
+        reach = (t.shape[-2] - 1) * t.stride(-2) + (t.shape[-1] - 1) * t.stride(-1)
+        if reach >= 2 ** 31:
+            raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()} reaches {reach} elements inside "
+                             "one (sample, head), past the Triton kernels' int32 offsets: pass it contiguous")
 
 
 def triton_unsupported(dtype, on_cuda, head_dim, min_head_dim=1, block_size=None):
@@ -872,6 +885,7 @@ class _FusedHybridAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):  # the LSE is an output for callers, not differentiated through
+        check_int32_reach(do=do)
         q, k, v, o, lse, modes32, *bs_args = ctx.saved_tensors
         dq, dk, dv = _hybrid_attention_bwd_launch(do, q, k, v, o, lse, modes32, ctx.sink, ctx.window,
                                                   bs_args, ctx.block_size, ctx.has_bs, ctx.bwd_config)
@@ -909,6 +923,7 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
     Non-contiguous q/k/v are fine (the kernels take strides); the outputs are contiguous.
     """
     B, Hq, Hkv, S, D = check_qkv(q, k, v)
+    check_int32_reach(q=q, k=k, v=v)
     check_sparse_params(sink, window, block_size)
     reason = triton_unsupported(q.dtype, q.is_cuda, D, **_prefill_limits(block_mask, block_size))
     if reason is not None:

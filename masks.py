@@ -77,11 +77,11 @@ def block_sparse(block_mask, block_size):
 # Checks shared by every public entry point: bad input gets an error naming the bad value.
 
 def check_sparse_params(sink, window, block_size=None):
-    if not isinstance(sink, int) or sink < 0:
+    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
         raise ValueError(f"sink must be an int >= 0, got {sink!r}")
-    if not isinstance(window, int) or window < 1:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1 (a token always sees itself), got {window!r}")
-    if block_size is not None and (not isinstance(block_size, int) or block_size < 1
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
                                    or block_size & (block_size - 1)):
         raise ValueError(f"block_size must be a power of two, got {block_size!r}")
 
@@ -184,7 +184,7 @@ def check_qkv(q, k, v):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B, Hkv, S, D) with "
                          f"B={B}, S={S}, D={D} from q {tuple(q.shape)}")
     Hkv = k.shape[1]
-    if Hq % Hkv:
+    if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"query heads {Hq} not a multiple of KV heads {Hkv}")
     return B, Hq, Hkv, S, D
 
@@ -239,7 +239,12 @@ def kept_pairs(seq_len, modes, sink, window, block_mask=None, block_size=64, len
     lengths (B,) (optional, see check_lengths): count only sample b's real tokens, queries and
     keys < lengths[b]: hybrid_mask(...)[b, :, :L, :L].sum(). Causality makes a real query see
     only real keys, so it is enough to drop the padded query rows."""
+    check_sparse_params(sink, window, block_size)
+    if not isinstance(modes, torch.Tensor) or modes.dim() != 2:
+        raise ValueError(f"modes must be an integer tensor (B, Hkv), got {modes!r}")
     B, Hkv = modes.shape
+    check_modes(modes, B, Hkv, block_mask_given=block_mask is not None)
+    check_block_mask(block_mask, modes, seq_len, block_size)
     check_lengths(lengths, B, seq_len)
     device = modes.device
     i = torch.arange(seq_len, device=device, dtype=torch.float64)           # query positions

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from kernels import HAS_TRITON, check_backend, resolve_backend, tl, triton
+from kernels import HAS_TRITON, check_backend, check_int32_reach, resolve_backend, tl, triton
 from masks import check_lengths, num_blocks
 
 # Padding. When S is not a multiple of the block size, q and k are zero-padded to nB·block_size
@@ -54,7 +54,7 @@ def check_xattention_args(q, k, block_size, stride):
         raise ValueError(f"k {tuple(k.shape)} must be (B, Hkv, S, D) with B={B}, S={S}, D={D} "
                          f"from q {tuple(q.shape)}")
     Hkv = k.shape[1]
-    if Hq % Hkv:
+    if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"query heads {Hq} not a multiple of KV heads {Hkv}")
     if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size!r}")
@@ -226,8 +226,8 @@ if HAS_TRITON:
 
 def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None, *, BLOCK_M=None, BLOCK_N=None,
                       BLOCK_K=None, num_warps=8, num_stages=None):
-    """Same contract as xattention_scores_reference (float32 (B, Hkv, nB, nB); lengths (B,) optional),
-    by the Triton kernel: no S×S and no (S/T)² matrix, the antidiagonal products computed once. In
+    """Same contract as xattention_scores_reference (float32 (B, Hkv, nB, nB); lengths (B,) optional;
+    float32 inputs multiply in TF32 on a GPU, tl.dot's default, which only ranks blocks), by the Triton kernel: no S×S and no (S/T)² matrix, the antidiagonal products computed once. In
     their place a float32 scratch of one log-sum-exp per (query group, key block):
     (B, Hq, S/T, S/block), allocated here and only half used (causal). That is 32 MiB per query head at S = 128K, T = 16, block 128, so
     1 GiB for 32 query heads; its causal half is written once and read back once right after by
@@ -271,6 +271,7 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
             raise ValueError(f"{name} must be a power of two >= {lo}{f' and <= {hi}' if hi else ''}, got {value!r}")
     if resolve_backend(backend, q.dtype, q.is_cuda, D) != "triton":
         return xattention_scores_reference(q, k, block_size, stride, lengths)
+    check_int32_reach(q=q, k=k)
 
     G = Hq // Hkv
     nB = num_blocks(S, block_size)

@@ -290,5 +290,12 @@ def test_bad_input():
             decode.decode_attention(q, k, k, start, cap, 5, live_rows=live - 1)
         with pytest.raises(ValueError, match="supports float16, bfloat16 and float32, got torch.float64"):
             decode.decode_attention(q.double(), k.double(), k.double(), start, cap, 5)
+    # start and cap that would read outside k, or no row at all (NaN), or overflow start·D
+    for s_, c_, message in ((start, cap * 0, "cap down to 0"), (start + 5, cap, "start \\+ cap up to 55"),
+                            (start - 1, cap, "start down to -1"), (start.int(), cap, "start must be int64")):
+        with pytest.raises(ValueError, match=message):
+            decode.decode_attention_reference(q, k, k, s_, c_, 5)
+    with pytest.raises(ValueError, match="modes must be in .* got \\[3\\]"):
+        decode.KVCache([torch.tensor([[3, FULL]])], 4, 8, 32, 16, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="backend must be one of .*, got 'cuda'"):
         decode.KVCache([modes[0]], 2, 5, 10, 16, torch.float32, "cpu", backend="cuda")

@@ -297,3 +297,21 @@ def test_predicates_compose_with_and_or():
     never = masks.and_masks(masks.causal, lambda b, h, q, kv: False)
     always = masks.or_masks(masks.causal, lambda b, h, q, kv: True)
     assert not never(0, 0, 5, 0) and always(0, 0, 0, 5)
+
+
+def test_pair_counts_and_kernel_entries_refuse_bad_input():
+    """kept_pairs (and so Ω_ESR and the FLOP count) checks what hybrid_mask checks: no silent count
+    for an unknown mode, a BLOCK_SPARSE head without its mask, or a negative window or sink; the
+    Triton entry refuses strides its int32 offsets cannot reach (meta tensors: nothing allocated)."""
+    for modes, sink, window, message in ((torch.tensor([[BLOCK_SPARSE, FULL]]), 4, 8, "block_mask is None"),
+                                         (torch.tensor([[7, FULL]]), 4, 8, "got \\[7\\]"),
+                                         (torch.tensor([[FULL, STREAMING]]), 4, -5, "window must be an int >= 1"),
+                                         (torch.tensor([[FULL, STREAMING]]), True, 5, "sink must be an int >= 0, got True")):
+        with pytest.raises(ValueError, match=message):
+            masks.omega_esr_closed_form(16, modes, sink, window)
+    with pytest.raises(ValueError, match="query heads 2 not a multiple of KV heads 0"):   # not a ZeroDivisionError
+        masks.check_qkv(*(torch.zeros(1, h, 4, 16) for h in (2, 0, 0)))
+    q = torch.empty_strided((1, 1, 40, 16), (0, 0, 2 ** 26, 1), device="meta", dtype=torch.float16)
+    k = torch.empty(1, 1, 40, 16, device="meta", dtype=torch.float16)
+    with pytest.raises(ValueError, match="q \\(1, 1, 40, 16\\) with strides .* reaches 2617245711 elements"):
+        kernels.fused_hybrid_attention(q, k, k, torch.zeros(1, 1, dtype=torch.int32, device="meta"), 4, 8)
