@@ -777,7 +777,7 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
         sensitive  (B,)   bool  TASKS[task_id].category == "sensitive"
         prompt_lengths (B,) long tokens the router may read: through "<|im_start|>assistant\n"
         lengths    (B,)   long  real tokens per row
-        query_pos  (B,)   long  prompt_lengths - 1, the last prompt position (the retrieval score's row)
+        query_pos  (B,)   long  prompt_lengths - 1, the last prompt position
         needle_pos (B, N) long  token positions of the needle sentence, -1 padded (all -1 for
                                 robust tasks, as in tasks.py)
     """
@@ -789,6 +789,9 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be None or in [0, 1], got {depth}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or isinstance(window, bool) or not isinstance(window, int) \
+            or window < 1 or isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+        raise ValueError(f"seed must be an int, window an int >= 1 and sink an int >= 0; got {seed!r}, {window!r}, {sink!r}")
     corpus = _Corpus.get(tokenizer, split, haystack)
     rng = random.Random(f"{split}:{seed}")  # the split is part of the seed: eval never replays train
     order = list(range(batch_size))

@@ -70,6 +70,8 @@ def relay_margin(n_layers, window):
     One streaming layer sees `window` tokens back, but a stack of L of them can pass information
     back by up to L·(window − 1) tokens, token to token; beyond that no all-streaming model can
     reach the evidence, so the task truly needs a FULL head somewhere."""
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"n_layers must be an int >= 1, got {n_layers!r}")
     return (n_layers - 1) * window
 
 
@@ -299,6 +301,8 @@ def make_batch(tasks, batch_size, seq_len, window, sink, *, seed=None, generator
         raise ValueError("tasks must be None (all) or a non-empty list of task names")
     if (seed is None) == (generator is None):
         raise ValueError("give exactly one of seed or generator")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an int, got {seed!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if window < MIN_WINDOW:
@@ -306,12 +310,14 @@ def make_batch(tasks, batch_size, seq_len, window, sink, *, seed=None, generator
     if sink < 0:
         raise ValueError(f"sink must be >= 0, got {sink}")
     margin = default_margin(window) if margin is None else margin
+    if margin < 0:   # evidence inside the window: a sensitive task a streaming head could answer
+        raise ValueError(f"margin must be >= 0, got {margin}")
     if seq_len < min_seq_len(window, sink, margin):
         raise ValueError(f"seq_len {seq_len} too short for window {window}, sink {sink}, margin {margin}: "
                          f"need >= {min_seq_len(window, sink, margin)}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be None or in [0, 1], got {depth}")
-    g = generator if generator is not None else torch.Generator().manual_seed(int(seed))
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
 
     B, S = batch_size, seq_len
     order = torch.randperm(B, generator=g)

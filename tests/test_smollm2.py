@@ -489,6 +489,9 @@ def test_make_batch_rejects_bad_input(tiny_tok):
         smollm2.make_batch(tiny_tok, ["passkey"], 2, 300, 0, window=256)
     with pytest.raises(ValueError, match="depth"):
         smollm2.make_batch(tiny_tok, None, 2, SEQ, 0, depth=1.5)
+    for kw in (dict(window=-500), dict(sink=-5), dict(seed=None)):
+        with pytest.raises(ValueError, match="seed must be an int, window an int >= 1 and sink an int >= 0"):
+            smollm2.make_batch(tiny_tok, None, 2, SEQ, **dict(dict(seed=0), **kw))
 
 
 def test_scores():

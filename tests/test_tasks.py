@@ -263,9 +263,13 @@ def test_perfect_logits_score_one_on_a_real_batch():
     (dict(depth=1.5), "depth"),
     (dict(seed=None), "exactly one"),
     (dict(generator=torch.Generator()), "exactly one"),
+    (dict(seed=1.5), "seed must be an int, got 1.5"),          # not quietly seed 1
+    (dict(margin=-20), "margin must be >= 0, got -20"),        # evidence a streaming head could see
 ])
 def test_bad_input_is_refused(kwargs, message):
     args = dict(tasks=None, batch_size=4, seq_len=256, window=32, sink=4, seed=0)
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         tasks.make_batch(**args)
+    with pytest.raises(ValueError, match="n_layers must be an int >= 1, got 0"):
+        tasks.relay_margin(0, 32)
