@@ -398,6 +398,8 @@ class SparsityLagrangian(nn.Module):
             raise ValueError("the Lagrangian needs at least one sample, got an empty batch (B = 0)")
         if task_ids.dtype.is_floating_point or task_ids.dtype == torch.bool:
             raise ValueError(f"task_ids must be an integer tensor, got dtype {task_ids.dtype}")
+        if task_counts is not None and tuple(task_counts.shape) != (self.num_tasks,):   # would broadcast
+            raise ValueError(f"task_counts must be ({self.num_tasks},), got {tuple(task_counts.shape)}")
         bad = (task_ids < 0) | (task_ids >= self.num_tasks)
         if masks.checking_values() and bad.any():
             raise ValueError(f"task ids must be in [0, {self.num_tasks}), got {task_ids[bad].unique().tolist()}")

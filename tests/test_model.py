@@ -44,6 +44,8 @@ def test_model_shapes_and_derived_fields():
     for bad, message in ((dict(n_kv_heads=0), "n_kv_heads must be an int >= 1, got 0"),
                          (dict(n_layers=0), "n_layers must be an int >= 1, got 0"),
                          (dict(xa_stride=0), "xa_stride must be an int >= 1, got 0"),
+                         (dict(pool_tokens=0), "pool_tokens must be an int >= 1, got 0"),
+                         (dict(pool_skip=-2), "pool_skip must be an int >= 0, got -2"),
                          (dict(rope_theta=-1.0), r"rope_theta .* got -1.0, 1e-05"),
                          (dict(norm_eps=-1e-6), r"norm_eps .* got 10000.0, -1e-06")):
         with pytest.raises(ValueError, match=message):   # not a ZeroDivisionError or non-finite logits later

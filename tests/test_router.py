@@ -466,6 +466,8 @@ def test_lagrangian_rejects_bad_arguments():
         lag(torch.tensor([0.5, 0.5]), torch.tensor([0]))
     with pytest.raises(ValueError, match="empty batch"):
         lag(torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"task_counts must be \(2,\), got \(1,\)"):   # not broadcast
+        lag(torch.tensor([0.5, 0.5]), torch.tensor([0, 1]), torch.tensor([2]))
 
 # -----------------------------------------------------------------------------
 # 4. Optimizer, min-max, freezing
