@@ -490,6 +490,9 @@ def train_backbone(run, cfg):
                 bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
             if run.main and step % 250 == 249:  # a long run killed half-way still leaves a usable backbone
                 elastic_attention.save_checkpoint(path, model, stage=stage, step=step + 1)
+    if run.parallel:  # every rank trained on the same batches, but GPU kernels need not agree to the bit
+        for t in model.state_dict().values():
+            dist.broadcast(t, 0)
     if run.main:
         elastic_attention.save_checkpoint(path, model, stages=run.P["backbone_stages"])
     return model, "trained here (" + ", ".join(f"{n} steps × {b} at {s} tokens"
@@ -1130,7 +1133,8 @@ def main(argv=None):
     targets = [t_sens if t.category == "sensitive" else t_rob for t in suite.tasks]
     train_log, params = train_gates(run, model, settings, False, targets,     # 3. routers
                                     os.path.join(out_dir, "router.pt"), resume=args.resume)
-    rank_diff = {"routers": replica_difference(run, params)} if run.parallel else {}
+    rank_diff = {"routers": replica_difference(run, params), "backbone": replica_difference(
+        run, [p for n, p in model.named_parameters() if not router_lib.is_router_param(n)])} if run.parallel else {}
     if run.main:
         elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings)
     gate_share = check_gate_share(run, train_log)

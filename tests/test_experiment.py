@@ -354,9 +354,10 @@ def test_two_processes_train_the_same_routers_as_one(tmp_path, router):
     """torchrun with 2 processes (gloo, CPU): each rank trains on its shard of the same global batch,
     so the routers end identical on both ranks and equal to a one-process run of that batch. The
     two-process run builds its batches in a worker process (--data-workers 1, the GPU default's
-    path), the one-process run in place: the same batches either way."""
+    path), the one-process run in place: the same batches either way. Both train a backbone first,
+    which the ranks then share (rank 0's)."""
     common = ["--steps", "3", "--batch-size", "4", "--eval-per-task", "4", "--no-static", "--curve-points", "2",
-              "--router", router]
+              "--router", router, "--backbone", "train", "--backbone-steps", "2"]
     one = run_script(*common, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -367,7 +368,7 @@ def test_two_processes_train_the_same_routers_as_one(tmp_path, router):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     res = json.loads((tmp_path / "two" / "results.json").read_text())
-    assert res["world_size"] == 2 and res["max_param_diff_between_ranks"] == {"routers": 0.0}
+    assert res["world_size"] == 2 and res["max_param_diff_between_ranks"] == {"routers": 0.0, "backbone": 0.0}
     a = torch.load(tmp_path / "one" / "router.pt", weights_only=True)
     b = torch.load(tmp_path / "two" / "router.pt", weights_only=True)
     assert (a["shift_router"] is None) == (b["shift_router"] is None) == (router == "mlp")
@@ -422,7 +423,7 @@ def test_two_gpus_replay_graphs_and_train_what_eager_steps_train(tmp_path):
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         res = json.loads((tmp_path / name / "results.json").read_text())
-        assert res["world_size"] == 2 and res["max_param_diff_between_ranks"] == {"routers": 0.0}
+        assert res["world_size"] == 2 and res["max_param_diff_between_ranks"] == {"routers": 0.0, "backbone": 0.0}
     a, b = (torch.load(tmp_path / d / "router.pt", weights_only=True) for d in ("graph", "eager"))
     for ra, rb in zip(a["routers"] + [a["shift_router"]], b["routers"] + [b["shift_router"]], strict=True):
         for name in ra:
