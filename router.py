@@ -54,6 +54,9 @@ def _logistic_noise(shape, like, u=None, generator=None):
     """log u − log(1 − u) for u ~ U(ε, 1 − ε): a standard logistic sample, P(noise <= x) = σ(x)."""
     if u is None:
         u = torch.rand(shape, generator=generator, device=like.device, dtype=torch.float32)
+    elif tuple(u.shape) != tuple(shape) or (masks.checking_values() and not bool(((u >= 0) & (u <= 1)).all())):
+        raise ValueError(f"u must be uniforms in [0, 1] of log α's shape {tuple(shape)}, got shape {tuple(u.shape)}"
+                         f"{'' if tuple(u.shape) != tuple(shape) else ' with values outside [0, 1] (or NaN)'}")
     u = u.to(device=like.device, dtype=torch.float32).clamp(EPS, 1 - EPS)
     return torch.log(u) - torch.log1p(-u)
 

@@ -18,7 +18,7 @@ import math
 import torch
 
 from kernels import HAS_TRITON, check_backend, check_int32_reach, resolve_backend, tl, triton
-from masks import check_lengths, num_blocks
+from masks import check_lengths, checking_values, num_blocks
 
 # Padding. When S is not a multiple of the block size, q and k are zero-padded to nB·block_size
 # tokens (the kernel masks its loads instead, which is the same). A zero token adds exactly 0 to any
@@ -313,6 +313,8 @@ def xattention_select(block_scores, threshold=0.9):
             or block_scores.shape[-1] != block_scores.shape[-2] or not block_scores.is_floating_point():
         raise ValueError(f"block_scores must be a float tensor (B, Hkv, nB, nB), got "
                          f"{tuple(block_scores.shape) if isinstance(block_scores, torch.Tensor) else type(block_scores)}")
+    if checking_values() and not bool(((block_scores >= 0) & (block_scores < math.inf)).all()):   # a host sync
+        raise ValueError("block_scores must be finite and >= 0 (softmax mass): a NaN or negative block is never picked")
     nB = block_scores.shape[-1]
     m = torch.arange(nB, device=block_scores.device).view(nB, 1)   # query block
     n = torch.arange(nB, device=block_scores.device).view(1, nB)    # key block

@@ -118,6 +118,17 @@ def test_straight_through_gradient(rows):
     assert (la.grad[inside] > 0).all(), f"zero STE gradient where 0 < s̄ < 1: z̃ {z_soft[inside]}, grad {la.grad[inside]}"
     assert (la.grad[~inside] == 0).all(), f"gradient where z̃ is clamped: {la.grad[~inside]}"
 
+
+def test_gate_noise_must_be_uniforms_of_the_logits_shape():
+    """u outside [0, 1] would be clamped into a confident draw, and a (1,) u would give every head
+    the same draw: both refused, naming what was wrong."""
+    la = torch.zeros(2, 3)
+    for u, message in ((torch.full((2, 3), 5.0), "values outside"), (torch.full((2, 3), float("nan")), "or NaN"),
+                       (torch.rand(1), r"shape \(2, 3\), got shape \(1,\)")):
+        for gate in (hard_concrete_gate, lambda la, u: gumbel_softmax_gate(la, tau=1.0, u=u)):
+            with pytest.raises(ValueError, match=message):
+                gate(la, u)
+
 # --- the paper's alternative ------------------------------------------------------------------
 
 

@@ -465,5 +465,8 @@ def test_bad_input_scores_and_select():
             xattention.xattention_scores(q, k, 16, 4, backend="triton", BLOCK_K=bad)
     with pytest.raises(ValueError, match="block_scores"):
         xattention.xattention_select(torch.rand(1, 1, 3, 4), 0.9)
+    for bad in (float("nan"), -1.0):   # such a block would silently never be picked
+        with pytest.raises(ValueError, match="block_scores must be finite and >= 0"):
+            xattention.xattention_select(torch.rand(1, 1, 3, 3).index_fill_(-1, torch.tensor([1]), bad), 0.9)
     with pytest.raises(ValueError, match="threshold"):
         xattention.xattention_select(torch.rand(1, 1, 3, 3), 2.0)
