@@ -93,10 +93,8 @@ class Config:
 
     def __post_init__(self):
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "xa_stride", "pool_tokens"):
-            if isinstance(getattr(self, f), bool) or not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ValueError(f"{f} must be an int >= 1, got {getattr(self, f)!r}")
-        if isinstance(self.pool_skip, bool) or not isinstance(self.pool_skip, int) or self.pool_skip < 0:
-            raise ValueError(f"pool_skip must be an int >= 0, got {self.pool_skip!r}")
+            masks.check_int(f, getattr(self, f), 1)
+        masks.check_int("pool_skip", self.pool_skip, 0)
         if not (0 < self.rope_theta < math.inf and 0 <= self.norm_eps < math.inf):
             raise ValueError(f"rope_theta must be finite and > 0, norm_eps finite and >= 0; got "
                              f"{self.rope_theta!r}, {self.norm_eps!r}")

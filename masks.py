@@ -76,11 +76,15 @@ def block_sparse(block_mask, block_size):
 # -----------------------------------------------------------------------------
 # Checks shared by every public entry point: bad input gets an error naming the bad value.
 
+def check_int(name, value, low=None, why=""):
+    """An int (a bool is not one) of at least `low`, or a ValueError naming the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        raise ValueError(f"{name} must be an int{'' if low is None else f' >= {low}'}{why}, got {value!r}")
+
+
 def check_sparse_params(sink, window, block_size=None):
-    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
-        raise ValueError(f"sink must be an int >= 0, got {sink!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1 (a token always sees itself), got {window!r}")
+    check_int("sink", sink, 0)
+    check_int("window", window, 1, " (a token always sees itself)")
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
                                    or block_size & (block_size - 1)):
         raise ValueError(f"block_size must be a power of two, got {block_size!r}")

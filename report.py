@@ -278,8 +278,10 @@ def aggregate(run_dirs, out_dir):
     if len(set(seeds)) < len(seeds):
         raise SystemExit(f"error: the runs repeat a seed ({seeds}); mean ± sd and the margins need distinct seeds")
     setting = lambda r: {k: v for k, v in r["settings"].items() if k not in ("seed", "backbone_sha256")}
+    first = setting(runs[0])
     for d, r in zip(run_dirs[1:], runs[1:]):
-        diff = sorted(k for k in setting(r).keys() | setting(runs[0]).keys() if setting(r).get(k) != setting(runs[0]).get(k))
+        mine = setting(r)
+        diff = sorted(k for k in mine.keys() | first.keys() if mine.get(k) != first.get(k))
         if diff:
             raise SystemExit(f"error: {d!r} was run with other settings than {run_dirs[0]!r}: {', '.join(diff)}")
     keys = [k for k in runs[0]["results"] if all(k in r["results"] for r in runs)]

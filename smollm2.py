@@ -789,9 +789,8 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be None or in [0, 1], got {depth}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or isinstance(window, bool) or not isinstance(window, int) \
-            or window < 1 or isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
-        raise ValueError(f"seed must be an int, window an int >= 1 and sink an int >= 0; got {seed!r}, {window!r}, {sink!r}")
+    masks.check_int("seed", seed)
+    masks.check_sparse_params(sink, window)
     corpus = _Corpus.get(tokenizer, split, haystack)
     rng = random.Random(f"{split}:{seed}")  # the split is part of the seed: eval never replays train
     order = list(range(batch_size))

@@ -31,6 +31,8 @@ from functools import partial
 
 import torch
 
+from masks import check_int
+
 # -----------------------------------------------------------------------------
 # Vocabulary. Disjoint ranges, so a key can never turn up by accident in the filler.
 
@@ -70,8 +72,7 @@ def relay_margin(n_layers, window):
     One streaming layer sees `window` tokens back, but a stack of L of them can pass information
     back by up to L·(window − 1) tokens, token to token; beyond that no all-streaming model can
     reach the evidence, so the task truly needs a FULL head somewhere."""
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-        raise ValueError(f"n_layers must be an int >= 1, got {n_layers!r}")
+    check_int("n_layers", n_layers, 1)
     return (n_layers - 1) * window
 
 
@@ -301,8 +302,8 @@ def make_batch(tasks, batch_size, seq_len, window, sink, *, seed=None, generator
         raise ValueError("tasks must be None (all) or a non-empty list of task names")
     if (seed is None) == (generator is None):
         raise ValueError("give exactly one of seed or generator")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    if seed is not None:
+        check_int("seed", seed)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if window < MIN_WINDOW:

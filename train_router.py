@@ -197,7 +197,8 @@ def build_parser():
     g.add_argument("--eager", action="store_true", help="on a GPU, run each training step op by op instead of "
                                                        "replaying it as a CUDA graph (slower; a debugger can step in)")
     g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
-    g.add_argument("--curve-points", type=int, help="points of the progressive-sparsification curve (presets: 11; smollm2 6)")
+    g.add_argument("--curve-points", type=int,
+                   help="points of the progressive-sparsification curve (presets: 11; smollm2 6)")
     g.add_argument("--calib-per-task", type=int, help="calibration prompts per task (training text, never trained "
                                                      "on): retrieval scores, the 'auto' target, router input statistics")
     g.add_argument("--seq-len", type=int, help="training (and first evaluation) length in tokens (tiny 256, gpu 4096, "
@@ -491,8 +492,7 @@ def train_backbone(run, cfg):
             if run.main and step % 250 == 249:  # a long run killed half-way still leaves a usable backbone
                 elastic_attention.save_checkpoint(path, model, stage=stage, step=step + 1)
     if run.parallel:  # every rank trained on the same batches, but GPU kernels need not agree to the bit
-        for t in model.state_dict().values():
-            dist.broadcast(t, 0)
+        from_rank0(model)
     if run.main:
         elastic_attention.save_checkpoint(path, model, stages=run.P["backbone_stages"])
     return model, "trained here (" + ", ".join(f"{n} steps × {b} at {s} tokens"
@@ -758,9 +758,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
                                                       rank_params=rank, rank_lr=P["rank_lr"],
                                                       lambda_schedule=P["lambda_schedule"])
     if run.parallel:  # every process starts from rank 0's gates (and their input standardisation)
-        for module in model.routers + ([model.shift_router] if model.shift_router is not None else []):
-            for t in module.state_dict().values():
-                dist.broadcast(t, 0)
+        from_rank0(*model.routers, *([model.shift_router] if model.shift_router is not None else []))
     graph = StepGraph(params + list(lagrangian.parameters())) if replays_as_graph(run, model) else None
     state = dict(model=model, lagrangian=lagrangian, optimizer=optimizer, scheduler=scheduler)
     start, train_log = resume_from(run, resume, settings, static, steps, state) if resume else (0, [])
@@ -863,6 +861,20 @@ def sum_over_processes(params):
     dist.all_reduce(flat)
     for p, g, total in zip(params, grads, flat.split([g.numel() for g in grads])):
         p.grad = g.copy_(total.view_as(g))   # in place: a recording's replay writes into these tensors
+
+
+def from_rank0(*modules):
+    """Every process takes rank 0's parameters and buffers of these modules, in place."""
+    for module in modules:
+        for t in module.state_dict().values():
+            dist.broadcast(t, 0)
+
+
+def same_on_every_rank(run, value):
+    """With several processes: whether every one holds this value (a weights' sha256, say)."""
+    values = [None] * run.world
+    dist.all_gather_object(values, value)
+    return len(set(values)) == 1
 
 
 def replica_difference(run, params):
@@ -1133,8 +1145,8 @@ def main(argv=None):
     targets = [t_sens if t.category == "sensitive" else t_rob for t in suite.tasks]
     train_log, params = train_gates(run, model, settings, False, targets,     # 3. routers
                                     os.path.join(out_dir, "router.pt"), resume=args.resume)
-    rank_diff = {"routers": replica_difference(run, params), "backbone": replica_difference(
-        run, [p for n, p in model.named_parameters() if not router_lib.is_router_param(n)])} if run.parallel else {}
+    rank_diff = {"routers": replica_difference(run, params)} if run.parallel else {}
+    same_backbone = same_on_every_rank(run, settings["backbone_sha256"]) if run.parallel else None
     if run.main:
         elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings)
     gate_share = check_gate_share(run, train_log)
@@ -1152,6 +1164,7 @@ def main(argv=None):
         write_report(run, t_start, dict(
             preset=args.preset, smoke=args.smoke, seed=args.seed, settings=settings, experiment=P,
             backbone=backbone_source, world_size=world, max_param_diff_between_ranks=rank_diff,
+            backbone_same_on_every_rank=same_backbone,
             calibration=calibration, gate_share_end=gate_share,
             omega_train_vs_deployed=omega_agreement(run, train_log, results), long_len=long_len,
             retrieval_scores=retrieval.tolist(),

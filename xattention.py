@@ -227,7 +227,8 @@ if HAS_TRITON:
 def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None, *, BLOCK_M=None, BLOCK_N=None,
                       BLOCK_K=None, num_warps=8, num_stages=None):
     """Same contract as xattention_scores_reference (float32 (B, Hkv, nB, nB); lengths (B,) optional;
-    float32 inputs multiply in TF32 on a GPU, tl.dot's default, which only ranks blocks), by the Triton kernel: no S×S and no (S/T)² matrix, the antidiagonal products computed once. In
+    float32 inputs multiply in TF32 on a GPU, tl.dot's default, enough to rank blocks), by the Triton
+    kernel: no S×S and no (S/T)² matrix, the antidiagonal products computed once. In
     their place a float32 scratch of one log-sum-exp per (query group, key block):
     (B, Hq, S/T, S/block), allocated here and only half used (causal). That is 32 MiB per query head at S = 128K, T = 16, block 128, so
     1 GiB for 32 query heads; its causal half is written once and read back once right after by

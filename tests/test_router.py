@@ -124,7 +124,7 @@ def test_gate_noise_must_be_uniforms_of_the_logits_shape():
     the same draw: both refused, naming what was wrong."""
     la = torch.zeros(2, 3)
     for u, message in ((torch.full((2, 3), 5.0), "values outside"), (torch.full((2, 3), float("nan")), "or NaN"),
-                       (torch.rand(1), r"shape \(2, 3\), got shape \(1,\)")):
+                       (torch.rand(1), r"shape \(2, 3\), got \(1,\)")):
         for gate in (hard_concrete_gate, lambda la, u: gumbel_softmax_gate(la, tau=1.0, u=u)):
             with pytest.raises(ValueError, match=message):
                 gate(la, u)

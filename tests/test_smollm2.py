@@ -489,8 +489,9 @@ def test_make_batch_rejects_bad_input(tiny_tok):
         smollm2.make_batch(tiny_tok, ["passkey"], 2, 300, 0, window=256)
     with pytest.raises(ValueError, match="depth"):
         smollm2.make_batch(tiny_tok, None, 2, SEQ, 0, depth=1.5)
-    for kw in (dict(window=-500), dict(sink=-5), dict(seed=None)):
-        with pytest.raises(ValueError, match="seed must be an int, window an int >= 1 and sink an int >= 0"):
+    for kw, message in ((dict(window=-500), "window must be an int >= 1"), (dict(sink=-5), "sink must be an int >= 0"),
+                        (dict(seed=None), "seed must be an int, got None")):
+        with pytest.raises(ValueError, match=message):
             smollm2.make_batch(tiny_tok, None, 2, SEQ, **dict(dict(seed=0), **kw))
 
 
