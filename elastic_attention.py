@@ -628,8 +628,9 @@ class Transformer(nn.Module):
     def summarize(self, records, S, lengths=None):
         c = self.cfg
         extra = {} if lengths is None else dict(lengths=lengths)
-        esr = torch.stack([masks.omega_esr_closed_form(S, r["modes"], c.sink, c.window, r["block_mask"],
-                                                       c.block_size, **extra) for r in records])  # (L, B)
+        with masks.values_checked():   # the layers made these modes: reading them back is a sync per layer
+            esr = torch.stack([masks.omega_esr_closed_form(S, r["modes"], c.sink, c.window, r["block_mask"],
+                                                           c.block_size, **extra) for r in records])  # (L, B)
         return dict(
             records=records, z=[r["z"] for r in records], modes=[r["modes"] for r in records],
             log_alpha=[r["log_alpha"] for r in records], block_mask=[r["block_mask"] for r in records],

@@ -430,6 +430,20 @@ def test_model_checks_its_layers_inputs_once_and_routers_outputs_after_them():
             model(idx)
 
 
+def test_a_routed_forward_reads_none_of_its_own_modes_back(monkeypatch):
+    """The modes a forward makes are valid by construction. Reading them back is a host sync per
+    layer on a GPU (30 per SmolLM2 step run op by op): the layers and the Ω_ESR summary after them
+    skip it."""
+    model, idx = model_and_tokens(tiny(), 2, 8)
+    model.attach_routers()
+    reads = []
+    monkeypatch.setattr(masks, "check_mode_values", lambda *args, **kwargs: reads.append(args))
+    _, info = model(idx, lengths=torch.tensor([8, 5]))
+    assert reads == [] and info["omega_esr"].shape == (2,)
+    masks.check_modes(torch.zeros(1, 2, dtype=torch.int32), 1, 2, block_mask_given=False)
+    assert len(reads) == 1                             # outside a forward the check still runs
+
+
 def test_values_checked_skips_value_checks_only_inside_and_only_those():
     bad_modes = torch.full((1, 2), 7, dtype=torch.int32)
     with pytest.raises(ValueError, match="modes must be in"):
