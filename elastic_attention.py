@@ -83,6 +83,8 @@ class Config:
     router_hidden_mult: int = 4    # MLP hidden = 4·D (Table 3: ×2…×8 all within noise)
     pool_tokens: int = 16          # boundary pooling span (paper 100 at 8K+; scaled to short inputs)
     pool_skip: int = 0             # leading tokens every prompt shares (a chat system turn): not pooled
+    prepass_layers: int = 0        # ranked routers' count router reads: 0 = layer 0's keys; n > 0 = the residual
+                                   # stream after n layers of a pre-pass over the prompt's boundary tokens
     gate: str = "hard-concrete"    # training gate (METHOD.md §5); "gumbel" = the paper's Gumbel-softmax
     deploy: str = "threshold"      # evaluation gate: FULL iff log α > 0; "count": as many SPARSE heads as
                                    # training drew, per layer; "global": that count over all layers (ranked routers)
@@ -95,6 +97,9 @@ class Config:
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "xa_stride", "pool_tokens"):
             masks.check_int(f, getattr(self, f), 1)
         masks.check_int("pool_skip", self.pool_skip, 0)
+        masks.check_int("prepass_layers", self.prepass_layers, 0)
+        if self.prepass_layers > self.n_layers:
+            raise ValueError(f"prepass_layers {self.prepass_layers} exceeds the model's {self.n_layers} layers")
         if not (0 < self.rope_theta < math.inf and 0 <= self.norm_eps < math.inf):
             raise ValueError(f"rope_theta must be finite and > 0, norm_eps finite and >= 0; got "
                              f"{self.rope_theta!r}, {self.norm_eps!r}")
@@ -415,6 +420,16 @@ class Block(nn.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), record
 
+    def dense(self, x, cos, sin):
+        """The block with every head FULL and no router, recording nothing: the routing pre-pass
+        (Transformer.prepass). x (B, S, C) → (B, S, C); right padding changes no real token."""
+        attn = self.self_attn
+        q, k, v, _ = attn.project(self.input_layernorm(x), cos, sin)
+        modes = torch.full((x.shape[0], attn.n_kv_heads), FULL, dtype=torch.int32, device=x.device)
+        a = attn.attend(q, k, v, modes, None).transpose(1, 2).flatten(2)    # (B, Hq, S, D) → (B, S, Hq·D)
+        x = x + attn.o_proj(a)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 # -----------------------------------------------------------------------------
 # The model.
 
@@ -462,9 +477,9 @@ class Transformer(nn.Module):
             layer.self_attn.router = r.to(device)
             params += list(r.parameters())
         self.shift_router = None
-        if ranked:
-            self.shift_router = router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens,
-                                                           c.pool_skip, 0.0).to(device)
+        if ranked:  # it reads layer 0's keys (D per KV head), or the pre-pass's residual stream (C, one "head")
+            width, mult = (c.dim, 1) if c.prepass_layers else (c.head_dim, c.router_hidden_mult)  # C wide: hidden ×1
+            self.shift_router = router_lib.AttentionRouter(width, mult, c.pool_tokens, c.pool_skip, 0.0).to(device)
             params += list(self.shift_router.parameters())
         return params
 
@@ -578,11 +593,15 @@ class Transformer(nn.Module):
         x = self.embed_tokens(idx)                                                    # (B, S, C)
         records = []
         debt = torch.zeros(B, device=idx.device) if routed else None   # the "count" gate's rounding (router.count_gate)
-        shift = None
-        if routed and self.shift_router is not None:  # ranked routers: one log α shift per input, from layer 0's keys
-            first = self.layers[0]
-            k_pre = first.self_attn.router_keys(first.input_layernorm(x))                    # (B, Hkv, S, D)
-            shift = self.shift_router(k_pre, prompt_lengths).mean(1)                         # (B,)
+        shift, prepass_len = None, None
+        if routed and self.shift_router is not None:  # ranked routers: one log α shift per input
+            if self.cfg.prepass_layers:   # from the pre-pass's residual stream (METHOD.md §4)
+                h, prepass_len = self.prepass(idx, prompt_lengths)                           # (B, C), (B,)
+                shift = self.shift_router.logits(h[:, None]).squeeze(1)                      # (B,)
+            else:                         # from layer 0's keys
+                first = self.layers[0]
+                k_pre = first.self_attn.router_keys(first.input_layernorm(x))                # (B, Hkv, S, D)
+                shift = self.shift_router(k_pre, prompt_lengths).mean(1)                     # (B,)
         deployed = [None] * len(self.layers)
         global_count = routed and not self.training and self.cfg.deploy == "global"
         if global_count and shift is None:
@@ -612,7 +631,33 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.n_tokens = start + S
             return logits, None
-        return logits, self.summarize(records, S, lengths)
+        return logits, self.summarize(records, S, lengths, prepass_len)
+
+    @torch.no_grad()
+    def prepass(self, idx, prompt_lengths):
+        """The routing pre-pass: each prompt's shared preamble (pool_skip tokens), its first and its
+        last pool_tokens tokens after that, run as one short sequence through the first
+        prepass_layers layers, every head FULL. Returns the residual stream there at the last prompt
+        token (B, C), the position that predicts the answer, and the pass's length per row (B,).
+        With the tail as long as a streaming head's window, that position has read what a sparse
+        model could answer from, and a middle layer tells whether the question needs more."""
+        c = self.cfg
+        B, S = idx.shape
+        P, skip = c.pool_tokens, c.pool_skip
+        L = torch.full((B, 1), S, device=idx.device) if prompt_lengths is None else prompt_lengths.view(B, 1)
+        head = torch.arange(skip + P, device=idx.device).expand(B, -1)        # (B, skip + P) preamble + first P
+        tail = L - P + torch.arange(P, device=idx.device)                      # (B, P) the last P prompt tokens
+        pos = torch.cat([head, tail], 1)                                       # (B, skip + 2P)
+        valid = torch.cat([head < L, tail >= skip + P], 1)                     # a short prompt: each token once
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)     # valid slots first, in order
+        pos = torch.gather(pos, 1, order).clamp(0, S - 1)                      # (B, S')
+        n = valid.sum(1)                                                       # (B,) S'_b
+        x = self.embed_tokens(torch.gather(idx, 1, pos))                       # (B, S', C)
+        cos, sin = self.rope_cos[:pos.shape[1]], self.rope_sin[:pos.shape[1]]  # positions 0 … S'−1
+        with masks.values_checked():   # positions made here: no host sync (a training step is graph-captured)
+            for layer in self.layers[:c.prepass_layers]:
+                x = layer.dense(x, cos, sin)
+        return x[torch.arange(B, device=idx.device), n - 1], n                  # (B, C), (B,)
 
     @torch.no_grad()
     def attention_rows(self, idx, positions):
@@ -625,12 +670,16 @@ class Transformer(nn.Module):
         _, info = self.forward(idx, modes=full, rows_at=positions, logits_at=positions[:, None])
         return info["rows"]
 
-    def summarize(self, records, S, lengths=None):
+    def summarize(self, records, S, lengths=None, prepass_len=None):
         c = self.cfg
         extra = {} if lengths is None else dict(lengths=lengths)
         with masks.values_checked():   # the layers made these modes: reading them back is a sync per layer
             esr = torch.stack([masks.omega_esr_closed_form(S, r["modes"], c.sink, c.window, r["block_mask"],
                                                            c.block_size, **extra) for r in records])  # (L, B)
+        if prepass_len is not None:   # the pre-pass's pairs count as work done, in the layers it runs
+            n = (torch.full_like(prepass_len, S) if lengths is None else lengths).double()     # (B,)
+            m = prepass_len.double()
+            esr[:c.prepass_layers] -= (m * (m + 1) / (n * (n + 1))).to(esr.device, esr.dtype)
         return dict(
             records=records, z=[r["z"] for r in records], modes=[r["modes"] for r in records],
             log_alpha=[r["log_alpha"] for r in records], block_mask=[r["block_mask"] for r in records],

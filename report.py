@@ -10,6 +10,7 @@ a next-token NLL in nats for tasks whose metric is "nll" (lower is better).
 """
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 # routing.
 METHODS = [("dense", "dense"), ("elastic", "Elastic"), ("static", "static score"),
            ("static_trained", "static trained"), ("router_set", "Elastic's set"), ("oracle", "oracle by cat."),
-           ("swap", "swap control"), ("all_sparse", "all sparse")]
+           ("keyword", "keyword rule"), ("swap", "swap control"), ("all_sparse", "all sparse")]
 RANKINGS = {"score": "retrieval score", "router_set": "routers' FULL rate", "static_trained": "trained static gate"}
 
 
@@ -124,8 +125,83 @@ def margins(runs):
     return lines
 
 
+def auc(low, high):
+    """P(a random value of `high` exceeds a random one of `low`), ties counted half: how well Ω_MSR
+    parts robust inputs (high) from sensitive ones (low), input by input; 1.0 parts them all."""
+    wins = sum((h > lo) + 0.5 * (h == lo) for lo in low for h in high)
+    return wins / (len(low) * len(high))
+
+
+def sign_test(wins, losses):
+    """Two-sided exact binomial p-value of `wins` against `losses` discordant pairs (ties dropped)."""
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
+def _ms(values, digits=2, sign=""):
+    """mean±sd of several values, or the one value; sign="+" writes the mean's sign."""
+    if len(values) == 1:
+        return f"{values[0]:{sign}.{digits}f}"
+    return f"{statistics.mean(values):{sign}.{digits}f}±{statistics.stdev(values):.{digits}f}"
+
+
+def held_out_table(runs):
+    """Per held-out condition: every method per task family (score, Ω_MSR), Elastic's category gap
+    and per-input AUC, and Elastic minus each other method on the sensitive families: mean ± sd over
+    seeds, and the per-input paired sign test over all seeds' inputs."""
+    first = runs[0]
+    if not first.get("held_out"):
+        return ""
+    cats = {**first["tasks"], **first.get("held_out_tasks", {})}
+    metrics = first["metrics"]
+    lines = ["held-out prompts (test set frozen before the run): score % (NLL*) with (Ω_MSR); mean±sd over seeds"
+             if len(runs) > 1 else "held-out prompts (test set frozen before the run): score % (NLL*) with (Ω_MSR)"]
+    for condition, res in first["held_out"].items():
+        names = list(res["elastic"])
+        sens = [t for t in names if cats[t] == "sensitive"]
+        rob = [t for t in names if cats[t] == "robust"]
+        per_run = []
+        for r in runs:
+            e = r["held_out"][condition]["elastic"]
+            low = [w for t in sens for w in e[t]["omegas"]]
+            high = [w for t in rob for w in e[t]["omegas"]]
+            per_run.append((auc(low, high) if low and high else float("nan"),
+                            statistics.mean(high) - statistics.mean(low) if low and high else float("nan")))
+        lines.append(f"{condition}: Elastic category gap {_ms([g for _, g in per_run])}, per-input AUC "
+                     f"{_ms([a for a, _ in per_run])}")
+        lines.append(f"{'method':<15}" + "".join(f"{(t + ('*' if metrics[t] == 'nll' else ''))[:13]:<14}"
+                                               for t in names))
+        for key, label in METHODS:
+            if not all(key in r["held_out"][condition] for r in runs):
+                continue
+            cells = "".join(f"{_fmt(metrics[t], [r['held_out'][condition][key][t]['score'] for r in runs], [r['held_out'][condition][key][t]['omega_msr'] for r in runs]):<13} "
+                            for t in names)
+            lines.append(f"{label:<15}{cells}")
+        scored = [t for t in sens if metrics[t] == "accuracy"]
+        if scored:
+            cells = []
+            for key in ("static", "static_trained", "router_set", "keyword", "oracle", "dense"):
+                if not all(key in r["held_out"][condition] for r in runs):
+                    continue
+                gaps, wins, losses = [], 0, 0
+                for r in runs:
+                    h = r["held_out"][condition]
+                    a = [x for t in scored for x in h["elastic"][t]["scores"]]
+                    b = [x for t in scored for x in h[key][t]["scores"]]
+                    gaps.append(100 * (statistics.mean(a) - statistics.mean(b)))
+                    wins += sum(x > y for x, y in zip(a, b))
+                    losses += sum(x < y for x, y in zip(a, b))
+                cells.append(f"{dict(METHODS)[key]} {_ms(gaps, 1, '+')} (+{wins}/-{losses}, p {sign_test(wins, losses):.2g})")
+            lines.append("  Elastic minus, sensitive families: " + "; ".join(cells))
+    return "\n".join(lines)
+
+
 def print_table(summary):
     print("\n" + table([summary]))
+    if summary.get("held_out"):
+        print("\n" + held_out_table([summary]))
 
 
 # -----------------------------------------------------------------------------
@@ -296,6 +372,8 @@ def aggregate(run_dirs, out_dir):
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)
     text = table(runs)
+    if runs[0].get("held_out"):
+        text += "\n\n" + held_out_table(runs)
     with open(os.path.join(out_dir, "table.txt"), "w") as f:
         f.write(text + "\n")
     print("\n" + text)

@@ -297,11 +297,16 @@ class AttentionRouter(nn.Module):
         if prompt_lengths is None:
             prompt_lengths = torch.full((B,), S, dtype=torch.long, device=k.device)
 
-        with torch.autocast(device_type=k.device.type, enabled=False):   # a logit near 0 needs fp32
-            x = boundary_pool(k, prompt_lengths, self.pool_tokens, self.pool_skip)  # (B, Hkv, D) fp32
-            x = ((x - self.in_shift) / self.in_scale).to(self.router_mlp[0].weight.dtype)
-            x = self.task_mlp(x)                                           # (B, Hkv, D)
-            log_alpha = self.router_mlp(x).squeeze(-1)                     # (B, Hkv)
+        return self.logits(boundary_pool(k, prompt_lengths, self.pool_tokens, self.pool_skip))  # (B, Hkv, D) fp32
+
+    def logits(self, x):
+        """What the router decides from one vector per (sample, head): x (B, H, D) → log α (B, H)
+        float32. forward() gives it the pooled keys; a count router on the pre-pass, the residual
+        stream at the last prompt token (Transformer.prepass)."""
+        with torch.autocast(device_type=x.device.type, enabled=False):   # a logit near 0 needs fp32
+            x = ((x.float() - self.in_shift) / self.in_scale).to(self.router_mlp[0].weight.dtype)
+            x = self.task_mlp(x)                                           # (B, H, D)
+            log_alpha = self.router_mlp(x).squeeze(-1)                     # (B, H)
         return log_alpha.float()
 
 

@@ -7,11 +7,18 @@ its tokenizer and chat format, and a real-text task suite in the batch contract 
               verify_gguf(path) -> path               the same check for a file brought by hand
     model     from_gguf(path, **config_overrides) -> (Transformer, Tokenizer)
                                                       dequantised to float32 (cast it yourself)
-    tasks     TASKS, TASK_NAMES, SENSITIVE, ROBUST, get_task(name); suite(tokenizer, haystack, window,
-              sink) -> tasks.Suite, the interface train_router.py uses
-    text      fetch_news(cache_dir=None) -> path, load_text(split, haystack), text_fingerprint(haystack)
+    tasks     TASKS (all families), TRAIN_TASKS / TRAIN_NAMES, HELD_OUT, TASK_NAMES, SENSITIVE, ROBUST,
+              get_task(name); FRAMES / QUESTIONS {family: {split: [wording, ...]}}, FRAME_SPLITS, STYLES;
+              suite(tokenizer, haystack=("news", "pydoc"), window, sink) -> tasks.Suite of the
+              training families, the interface train_router.py uses
+    tests     CONDITIONS {condition: dict(families, frames, style, haystack)}, the frozen held-out set;
+              condition_batch(tokenizer, condition, names, size, seq_len, seed, *, window=256,
+                              sink=64, dev=False) -> a make_batch dict (text of split "eval")
+    text      fetch_news(cache_dir=None), fetch_wiki(cache_dir=None) -> path, load_text(split, haystack),
+              text_fingerprint(haystack), wiki_articles(xml) -> [[paragraph, ...] per article]
               make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train",
-                         window=256, sink=64, depth=None, haystack="news") -> dict of CPU tensors
+                         window=256, sink=64, depth=None, haystack="news", frames="train",
+                         style="mixed") -> dict of CPU tensors
               answer_accuracy(logits, targets), nll(logits, targets) -> (B,)
               uniform_modes(model, B, mode)
               forward_scored(model, batch, modes=None) -> logits only where a token is scored
@@ -39,16 +46,28 @@ inside the standard library (`pydoc_data.topics`, PSF License v2; ~40K tokens on
 grammar and tables are dropped): technical prose, harder for streaming heads, and its `pass`
 statement meets the pass key. Every third report (pydoc: topic) is held out, but for a report
 (paragraph) the training side has too, so evaluation haystacks never share a paragraph with training
-ones; text_fingerprint() names the text used.
+ones; text_fingerprint() names the text used. Or "wiki", the held-out haystack (HELD_OUT_HAYSTACK,
+never trained on): ~100 English Wikipedia articles (CC BY-SA) from a shortened dump in the same
+wheel's test data (WIKI_MEMBER, sha256 WIKI_SHA256), markup stripped to running prose (~4,400
+paragraphs); every third article held out.
 
-Tasks (each a ChatML user turn: instruction, document, question; the assistant answers):
-    passkey      sensitive  a 5-digit pass key at a random depth in the document
-    fact_word    sensitive  one fact, "<name>'s secret word is <word>" (said twice), at a random depth
-    recent_fact  robust     a note with a 4-digit room number within the last ~200 tokens
-    continue     robust     the assistant continues the document, which stops a few sentences into a
-                            report; mean NLL of that report's next 64 tokens
-The accuracy tasks teacher-force a fixed answer sentence and score exact match on its value tokens
-and the one token before them (where a greedy answer commits to the value or drifts off).
+Task families (each a ChatML user turn: an instruction, the document, a question; the assistant
+answers). task_ids: the training families 0-6, then the held-out ones (never trained on):
+    0 passkey      sensitive  a 5-digit pass key at a random depth in the document
+    1 fact_word    sensitive  one fact, "<name>'s secret word is <word>" (said twice), at a random depth
+    2 recent_fact  robust     a note with a 4-digit room number within the last ~150 document tokens
+    3 continue     robust     the assistant continues the document, which stops a few sentences into a
+                              report; mean NLL of that report's next 64 tokens
+    4 name         sensitive  who was named to a post (a full name, said twice), at a random depth
+    5 date         sensitive  when an event is scheduled (month and day, said twice), at a random depth
+    6 copy_last    robust     repeat the document's last sentence (scored from its second word on)
+    7 place        sensitive  held out: the city a parcel was sent to (said twice), at a random depth
+    8 recent_name  robust     held out: a front-desk note near the end says who has some items
+Each family has >= 12 instruction wordings split train / dev / test, decoy wordings for evaluation
+and >= 3 question wordings (FRAMES, QUESTIONS); the instruction goes before the document, after it,
+or nowhere (style; training mixes them 45 / 35 / 20 %). The accuracy tasks teacher-force a fixed
+answer sentence and score exact match on its value tokens and the one token before them (where a
+greedy answer commits to the value or drifts off).
 
 Batch (make_batch), like tasks.py's with padding and an explicit prompt boundary:
     tokens (B, S), targets (B, S) (-100 except scored positions: targets[t] = tokens[t + 1]),
@@ -58,7 +77,9 @@ Batch (make_batch), like tasks.py's with padding and an explicit prompt boundary
 Shape letters: B batch, S sequence, V vocab, N needle slots, K scored positions per row.
 """
 import glob
+import bz2
 import hashlib
+import html
 import os
 import re
 import shutil
@@ -401,26 +422,33 @@ def _default_system_prompt(template):
     return m.group(1) if m else ""
 
 # -----------------------------------------------------------------------------
-# Text. Two haystacks: "news", 300 short news reports (the Lee corpus, Lee, Pincombe & Welsh 2005,
+# Text. Three haystacks: "news", 300 short news reports (the Lee corpus, Lee, Pincombe & Welsh 2005,
 # as shipped in the gensim wheel's test data: narrative prose that nothing in the tasks collides
-# with), and "pydoc", the prose of the Python language reference in the standard library
-# (technical prose: harder for streaming heads, and "pass key" meets the `pass` statement).
-# Paragraphs are the unit; every third one (pydoc: every third topic) is held out for evaluation.
+# with), "pydoc", the prose of the Python language reference in the standard library (technical
+# prose: harder for streaming heads, and "pass key" meets the `pass` statement), and "wiki", the
+# running prose of ~100 English Wikipedia articles from the same wheel's test data (encyclopaedic
+# prose full of names, dates and places: the held-out haystack, never used for training).
+# Paragraphs are the unit; every third one (pydoc: topic, wiki: article) is held out for evaluation.
 
-HAYSTACKS = ("news", "pydoc")
-EVAL_EVERY = 3  # every third report / topic is held out for evaluation: ~30 % of the prose
+HAYSTACKS = ("news", "pydoc", "wiki")
+HELD_OUT_HAYSTACK = "wiki"   # only in the "haystack" test condition: never trained on
+EVAL_EVERY = 3  # every third report / topic / article is held out for evaluation: ~30 % of the prose
 MIN_WORDS = 8   # shorter paragraphs are list fragments and captions
 NEWS_WHEEL = "gensim==4.4.0"
 NEWS_MEMBER = "gensim/test/test_data/lee_background.cor"
 NEWS_SHA256 = "5d78d6dafd953bbf65797bef09a9ffb9ec430583381be705f8fd460000f370fb"
+# A shortened dump of English Wikipedia (206 pages, ~100 articles with prose), bz2-compressed XML.
+# Wikipedia text is licensed CC BY-SA (https://creativecommons.org/licenses/by-sa/4.0/).
+WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+WIKI_SHA256 = "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d"
 
 
-def fetch_news(cache_dir=None):
-    """Path of the verified Lee news corpus (one report per line, 360 KB): pip downloads the gensim
-    wheel once (the file sits in its test data; gensim itself is never installed or imported) and
-    keeps only that file. Offline, copy the file into cache_dir by hand; the sha256 is checked."""
+def _fetch_gensim_member(member, sha256, cache_dir=None):
+    """Path of one verified file of the gensim wheel's test data in cache_dir: pip downloads the
+    wheel once (gensim itself is never installed or imported) and keeps every test-data file we use
+    that is not there yet. Offline, copy the file into cache_dir by hand; its sha256 is checked."""
     cache_dir = cache_dir or default_cache_dir()
-    path = os.path.join(cache_dir, os.path.basename(NEWS_MEMBER))
+    path = os.path.join(cache_dir, os.path.basename(member))
     if not os.path.exists(path):
         os.makedirs(cache_dir, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -432,14 +460,28 @@ def fetch_news(cache_dir=None):
             if done.returncode:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
             wheel = next(f for f in os.listdir(tmp) if f.endswith(".whl"))
-            with zipfile.ZipFile(os.path.join(tmp, wheel)) as z, open(path + ".part", "wb") as dst:
-                dst.write(z.read(NEWS_MEMBER))
-        os.replace(path + ".part", path)
+            with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
+                for m in (NEWS_MEMBER, WIKI_MEMBER):  # one download serves both haystacks
+                    target = os.path.join(cache_dir, os.path.basename(m))
+                    if not os.path.exists(target):
+                        with open(target + ".part", "wb") as dst:
+                            dst.write(z.read(m))
+                        os.replace(target + ".part", target)
     with open(path, "rb") as f:
         got = hashlib.sha256(f.read()).hexdigest()
-    if got != NEWS_SHA256:
-        raise ValueError(f"{path}: sha256 {got}, expected {NEWS_SHA256} (delete it to fetch it again)")
+    if got != sha256:
+        raise ValueError(f"{path}: sha256 {got}, expected {sha256} (delete it to fetch it again)")
     return path
+
+
+def fetch_news(cache_dir=None):
+    """Path of the verified Lee news corpus (one report per line, 360 KB), from the gensim wheel."""
+    return _fetch_gensim_member(NEWS_MEMBER, NEWS_SHA256, cache_dir)
+
+
+def fetch_wiki(cache_dir=None):
+    """Path of the verified Wikipedia dump (bz2 XML, 1.7 MB), from the gensim wheel."""
+    return _fetch_gensim_member(WIKI_MEMBER, WIKI_SHA256, cache_dir)
 
 
 def _prose_paragraphs(text):
@@ -466,11 +508,61 @@ def _prose_paragraphs(text):
     return paragraphs
 
 
+# Wiki markup -> prose. Dropped whole: comments, <ref>s and other tags whose content is not prose,
+# templates {{...}} and tables {|...|} (innermost first, so nesting is handled by repeating),
+# File/Image/Category and interlanguage links, headings, list/indent/table lines. Kept as text:
+# [[target|label]] -> label, [[target]] -> target, [url label] -> label, bold/italic quotes removed.
+_WIKI_DROP = re.compile(r"<!--.*?-->|<(ref|math|gallery|timeline|score|syntaxhighlight|source|table)\b[^>]*?"
+                        r"(?:/>|>.*?</\1\s*>)", re.S | re.I)
+_WIKI_NOT_TEXT = re.compile(r"(?i)(file|image|category|media|wikt|wiktionary|commons|[a-z]{2,3}(-[a-z]+)?):")
+
+
+def _wiki_link(m):
+    target, _, label = m.group(1).partition("|")
+    if _WIKI_NOT_TEXT.match(target):
+        return ""
+    return label.rsplit("|", 1)[-1] if label else target
+
+
+def _wiki_prose(markup):
+    """The running prose paragraphs (>= MIN_WORDS words, ending a sentence) of one article's markup."""
+    t = _WIKI_DROP.sub("", html.unescape(markup))
+    for pattern, repl in ((r"\{\{[^{}]*\}\}", ""), (r"\{\|(?:(?!\{\|).)*?\|\}", ""), (r"\[\[([^\[\]]*)\]\]", _wiki_link)):
+        n = 1
+        while n:  # innermost first, until nothing of the kind is left
+            t, n = re.subn(pattern, repl, t, flags=re.S)
+    t = re.sub(r"<[^>]+>", "", t)                                   # other tags: keep their text
+    t = re.sub(r"\[(?:https?:)?//\S+ ?([^\]]*)\]", r"\1", t)         # external links: their label
+    t = re.sub(r"'{2,}", "", t)                                      # '''bold''', ''italic''
+    t = re.sub(r"\s*\(\s*[,;]?\s*\)", "", t)                         # "()" left by a removed template
+    paragraphs = []
+    for block in re.split(r"\n\s*\n", t):
+        lines = [s.strip() for s in block.split("\n") if s.strip() and not re.match(r"\s*[=*#:;|!{}]", s)]
+        p = re.sub(r"\s+", " ", " ".join(lines)).strip()
+        # Leftover brackets mean markup this small parser did not understand: not prose, dropped.
+        if len(p.split()) >= MIN_WORDS and p[-1] in ".!?\"'" and not re.search(r"[{}\[\]|<>]", p):
+            paragraphs.append(p)
+    return paragraphs
+
+
+def wiki_articles(xml):
+    """[[paragraph, ...] per article] of a MediaWiki XML dump: main-namespace pages, not redirects,
+    in dump order; articles without prose paragraphs are left out."""
+    articles = []
+    for page in re.findall(r"<page>(.*?)</page>", xml, re.S):
+        text = re.search(r"<text[^>]*>(.*?)</text>", page, re.S)
+        if "<ns>0</ns>" in page and "<redirect" not in page and text:
+            paragraphs = _wiki_prose(text.group(1))
+            if paragraphs:
+                articles.append(paragraphs)
+    return articles
+
+
 def load_text(split, haystack="news"):
     """The paragraphs of one split ("train" or "eval") of a haystack, in a fixed order. news: every
     third report held out, but for the 3 that the corpus repeats on the training side. pydoc: topic
-    by topic, sorted; a paragraph that several topics repeat appears once, in eval if any eval
-    topic has it."""
+    by topic, sorted; wiki: article by article, in dump order; for both, a paragraph that several
+    topics (articles) repeat appears once, in eval if any eval topic (article) has it."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if haystack not in HAYSTACKS:
@@ -483,23 +575,29 @@ def load_text(split, haystack="news"):
             return train
         seen = set(train)   # the corpus repeats 7 reports; one held out would be training text too
         return list(dict.fromkeys(r for i, r in enumerate(reports) if i % EVAL_EVERY == 1 and r not in seen))
-    from pydoc_data.topics import topics
-    names = sorted(topics)
-    held_out = [n for i, n in enumerate(names) if i % EVAL_EVERY == 1]
-    eval_paras = list(dict.fromkeys(p for n in held_out for p in _prose_paragraphs(topics[n])))
+    if haystack == "pydoc":
+        from pydoc_data.topics import topics
+        documents = [_prose_paragraphs(topics[n]) for n in sorted(topics)]
+    else:
+        with bz2.open(fetch_wiki(), "rt", encoding="utf-8") as f:
+            documents = wiki_articles(f.read())
+    eval_paras = list(dict.fromkeys(p for i, d in enumerate(documents) if i % EVAL_EVERY == 1 for p in d))
     if split == "eval":
         return eval_paras
     seen = set(eval_paras)
-    train = (p for n in names if n not in held_out for p in _prose_paragraphs(topics[n]))
+    train = (p for i, d in enumerate(documents) if i % EVAL_EVERY != 1 for p in d)
     return [p for p in dict.fromkeys(train) if p not in seen]
 
 
 def text_fingerprint(haystack="news"):
     """Where the text came from and a sha256 prefix of both splits (pydoc's text changes a little
-    between Python releases): stored with results."""
+    between Python releases): stored with results. A tuple of haystacks: theirs, joined by " + "."""
+    if isinstance(haystack, (tuple, list)):
+        return " + ".join(text_fingerprint(h) for h in haystack)
     h = hashlib.sha256("\n\n".join(load_text("train", haystack) + load_text("eval", haystack)).encode())
-    source = (f"Lee news corpus from {NEWS_WHEEL}" if haystack == "news" else
-              f"pydoc_data.topics (Python {sys.version_info.major}.{sys.version_info.minor})")
+    source = {"news": f"Lee news corpus from {NEWS_WHEEL}",
+              "pydoc": f"pydoc_data.topics (Python {sys.version_info.major}.{sys.version_info.minor})",
+              "wiki": f"English Wikipedia sample (CC BY-SA) from {NEWS_WHEEL}"}[haystack]
     return f"{source} sha256:{h.hexdigest()[:12]}"
 
 
@@ -610,56 +708,91 @@ class _Corpus:
 
 
 # -----------------------------------------------------------------------------
-# Tasks. Each is one user turn — instruction, document, question — and the assistant's answer.
-# Wording is what a user would write; the task is never named. Accuracy tasks teacher-force the
-# answer sentence and score its value tokens (the digits / the word) and the token before them, all
-# of which must be the argmax; "continue" scores the NLL of the next CONTINUE_TOKENS tokens.
+# Tasks. Each is one user turn — an instruction, the document, a question — and the assistant's
+# answer. Tasks come in families; each family has many instruction wordings (FRAMES) and question
+# wordings (QUESTIONS), written the way different users write (terse, chatty, formal; some say where
+# the fact is, some do not), split by index into "train", "dev" and "test" wordings, plus "decoy"
+# wordings for evaluation only, which use the other category's vocabulary (a robust task worded as a
+# hunt through the whole text, a sensitive one as a question about the end). A row's style says where
+# the instruction goes: "before" the document, "after" it, or "none" (the document, then the question
+# alone). The task is never named. Accuracy tasks teacher-force the answer sentence and score its
+# value tokens (the digits / the word / the name ...) and the token before them, all of which must be
+# the argmax; "continue" scores the NLL of the next CONTINUE_TOKENS tokens.
 
 IGNORE = tasks.IGNORE  # the one ignore index of both suites (cross_entropy's default)
 MAX_NEEDLES = 48       # needle-token slots per row (a needle sentence is 10–30 tokens)
 CONTINUE_TOKENS = 64   # scored continuation length
+COPY_TOKENS = 8        # copy_last scores the first this many tokens of the sentence it repeats
 NEAR_TOKENS = 150      # robust facts: at most this many document tokens after them
 MARGIN = 64            # sensitive needles end at least window + MARGIN tokens before the query
 SLACK = 16             # token-count estimate error allowed for before building a row
 
 NAMES = ("Alice Brian Clara Daniel Emma Felix Grace Henry Jack Laura Martin Oscar Rosa Simon Tara Victor "
          "Wendy Zach Helen Peter Sarah Thomas Julia George").split()
+SURNAMES = ("Kessler Moreau Lindqvist Okafor Brennan Castillo Novak Whitfield Takahashi Delacroix Haldane "
+            "Petrov Ferreira Ashworth Nakamura Quinlan").split()
 WORDS = ("lantern harbor violin pepper meadow falcon marble candle compass orchard ribbon anchor button "
          "thunder saddle walnut blanket mirror basket feather lemon castle garden rocket tiger window copper "
          "silver forest bridge island planet kettle ladder magnet needle pillow rabbit shovel turtle wagon zebra "
          "cactus dragon ginger hammer jacket kitten lobster mango").split()
+ROLES = ("club treasurer", "head librarian", "chess captain", "harbour master", "choir director", "team coach")
+EVENTS = ("harvest fair", "board meeting", "library reopening", "charity run", "piano recital", "science fair")
+MONTHS = ("January February March April May June July August September October November December").split()
+CITIES = ("Lisbon Oslo Dublin Vienna Prague Helsinki Nairobi Montreal Seattle Osaka Krakow Valencia "
+          "Edinburgh Geneva Porto Bergen").split()
+ITEMS = ("spare keys", "visitor badges", "meeting notes", "new laptops")
+
+# The needle makers: make(rng) -> dict(needle, answer, value, fields). fields fill the {...} of the
+# family's question wordings; copy_last's answer depends on the document and is set by _build_row.
 
 
 def _passkey(rng):
     key = str(rng.randrange(10000, 100000))
-    return dict(instruction="There is a pass key hidden inside the following text. Find it and remember it: "
-                            "I will ask you for it at the end.",
-                needle=f"The pass key number is {key}. Remember it. {key} is the pass key number.",
-                question="What is the pass key number?", answer=f"The pass key number is {key}.", value=key)
+    return dict(needle=f"The pass key number is {key}. Remember it. {key} is the pass key number.",
+                answer=f"The pass key number is {key}.", value=key, fields={})
 
 
 def _fact_word(rng):
     name, word = rng.choice(NAMES), rng.choice(WORDS)
     # Said twice, as the pass key is: stated once, SmolLM2-135M recalled it in 86 % of 4K prompts, twice in 97 %.
-    return dict(instruction="Read the document below carefully. Somewhere in it, a person's secret word is "
-                            "mentioned. Find it and remember it: I will ask you for it at the end.",
-                needle=f"{name}'s secret word is \"{word}\". Remember it. \"{word}\" is {name}'s secret word.",
-                question=f"What is {name}'s secret word?", answer=f"{name}'s secret word is \"{word}\".",
-                value=word)
+    return dict(needle=f"{name}'s secret word is \"{word}\". Remember it. \"{word}\" is {name}'s secret word.",
+                answer=f"{name}'s secret word is \"{word}\".", value=word, fields=dict(name=name))
+
+
+def _name(rng):
+    full, role = f"{rng.choice(NAMES)} {rng.choice(SURNAMES)}", rng.choice(ROLES)
+    return dict(needle=f"{full} was named the new {role}. The new {role} is {full}.",
+                answer=f"The new {role} is {full}.", value=full, fields=dict(role=role))
+
+
+def _date(rng):
+    date, event = f"{rng.choice(MONTHS)} {rng.randrange(1, 29)}", rng.choice(EVENTS)
+    # "scheduled for", not "on": asked when, SmolLM2 answers "The fair is scheduled ..." (6 of 8 rows).
+    return dict(needle=f"The {event} is scheduled for {date}. Mark it: the {event} is scheduled for {date}.",
+                answer=f"The {event} is scheduled for {date}.", value=date, fields=dict(event=event))
+
+
+def _place(rng):
+    name, city = rng.choice(NAMES), rng.choice(CITIES)
+    # "the city of": after a bare "sent to", SmolLM2 often went on with " the" (2 of 8 rows).
+    return dict(needle=f"The parcel for {name} was sent to the city of {city}. It went to {city}.",
+                answer=f"The parcel was sent to the city of {city}.", value=city, fields=dict(name=name))
 
 
 def _recent_fact(rng):
     name, room = rng.choice(NAMES), str(rng.randrange(1000, 10000))
-    return dict(instruction="Below is a text with a note from a colleague near its end. Please answer my "
-                            "question about the note.",
-                needle=f"Note from {name}: our meeting has been moved to room {room}.",
-                question="Which room has the meeting been moved to?",
-                answer=f"The meeting has been moved to room {room}.", value=room)
+    return dict(needle=f"Note from {name}: our meeting has been moved to room {room}.",
+                answer=f"The meeting has been moved to room {room}.", value=room, fields={})
 
 
-def _continue(rng):
-    return dict(instruction="Here is a passage. Continue the text from where it stops.",
-                needle=None, question=None, answer=None, value=None)
+def _recent_name(rng):
+    full, item = f"{rng.choice(NAMES)} {rng.choice(SURNAMES)}", rng.choice(ITEMS)
+    return dict(needle=f"Note from the front desk: the {item} are with {full} today.",
+                answer=f"The {item} are with {full}.", value=full, fields=dict(item=item))
+
+
+def _no_needle(rng):  # continue, copy_last: the document itself is the evidence
+    return dict(needle=None, answer=None, value=None, fields={})
 
 
 @dataclass(frozen=True)
@@ -668,20 +801,268 @@ class Task:
     name: str
     category: str   # "sensitive" (the answer is far from the question) | "robust" (the window suffices)
     metric: str     # "accuracy" (exact match of the value tokens) | "nll" (mean over the scored tokens)
-    make: object    # make(random.Random) -> dict(instruction, needle, question, answer, value)
+    make: object    # make(random.Random) -> dict(needle, answer, value, fields)
     placement: str  # where the needle goes: "far" (beyond window + MARGIN), "near", or "" (none)
+    held_out: bool = False  # never trained on: only for the held-out test conditions
 
 
+# Training families first, so that their task_ids are 0..n_train-1 (train_router indexes its
+# per-task multipliers by task_id over the training suite); the held-out ones after them.
 TASKS = [
     Task(0, "passkey", "sensitive", "accuracy", _passkey, "far"),
     Task(1, "fact_word", "sensitive", "accuracy", _fact_word, "far"),
     Task(2, "recent_fact", "robust", "accuracy", _recent_fact, "near"),
-    Task(3, "continue", "robust", "nll", _continue, ""),
+    Task(3, "continue", "robust", "nll", _no_needle, ""),
+    Task(4, "name", "sensitive", "accuracy", _name, "far"),
+    Task(5, "date", "sensitive", "accuracy", _date, "far"),
+    Task(6, "copy_last", "robust", "accuracy", _no_needle, ""),
+    Task(7, "place", "sensitive", "accuracy", _place, "far", held_out=True),
+    Task(8, "recent_name", "robust", "accuracy", _recent_name, "near", held_out=True),
 ]
 TASK_NAMES = [t.name for t in TASKS]
-SENSITIVE = [t.name for t in TASKS if t.category == "sensitive"]
+TRAIN_TASKS = [t for t in TASKS if not t.held_out]
+TRAIN_NAMES = [t.name for t in TRAIN_TASKS]
+HELD_OUT = [t.name for t in TASKS if t.held_out]
+SENSITIVE = [t.name for t in TASKS if t.category == "sensitive"]   # all families, held-out ones too
 ROBUST = [t.name for t in TASKS if t.category == "robust"]
 assert all(t.task_id == i for i, t in enumerate(TASKS))
+assert all(not t.held_out for t in TASKS[:len(TRAIN_TASKS)])
+
+# -----------------------------------------------------------------------------
+# Wordings. Templates may hold {below} ("below" when the instruction comes before the document,
+# "above" after it) and the fields of the family's needle maker. Written, split and frozen before
+# any measurement: "test" and "decoy_test" are the held-out test set, "dev" and "decoy_dev" are for
+# development. Only "train" wordings are ever trained on.
+
+FRAME_SPLITS = ("train", "dev", "test", "decoy_dev", "decoy_test")
+STYLES = ("mixed", "instructed", "before", "after", "none")
+MIXED = (("before", 0.45), ("after", 0.35), ("none", 0.20))  # style="mixed": each row draws its layout
+
+
+def _sensitive_decoys(thing):
+    """Robust-sounding wordings (the fact is near the end, just answer) for a sensitive family."""
+    return dict(decoy_dev=[f"There is a short note about {thing} near the end of the text {{below}}. Please "
+                           f"answer my question about it.",
+                           f"Just look at the last few lines of this text and answer my question about {thing}."],
+                decoy_test=[f"The text {{below}} ends with a quick remark about {thing}; answer my question "
+                            f"about that remark.",
+                            f"Read the final paragraph and tell me about {thing}."])
+
+
+def _robust_decoys(thing):
+    """Sensitive-sounding wordings (hidden somewhere, remember it for later) for a robust family."""
+    return dict(decoy_dev=[f"Somewhere in this text {thing} is hidden. Find it and remember it, I'll ask you "
+                           f"about it later.",
+                           f"Read the whole document {{below}} carefully: {thing} is buried somewhere inside "
+                           f"it. Keep it in mind for my question."],
+                decoy_test=[f"Hidden somewhere in the long text {{below}} is {thing}. Memorise it; I will ask "
+                            f"you for it at the end.",
+                            f"Pay close attention to every part of this text, {thing} is tucked away in it "
+                            f"somewhere. Remember it."])
+
+
+FRAMES = {
+    "passkey": dict(
+        train=["There is a pass key hidden inside the text {below}. Find it and remember it: I will ask you "
+               "for it at the end.",
+               "Somewhere in this document there's a pass key. Keep it in mind, I'll need it later.",
+               "Read the text {below}. A numeric pass key appears in it; you will be asked to report it.",
+               "pass key is buried in here somewhere, need it after",
+               "Hi! I pasted a long text {below}. Hidden in it is a five-digit pass key. Could you memorise "
+               "it for me? I'll ask for it afterwards.",
+               "The following material contains an access code labelled as the pass key. Locate it and "
+               "retain it for a subsequent question.",
+               "Scan the whole document for the pass key number and hold on to it.",
+               "Note: a secret number (the pass key) is mentioned in the text {below}, possibly early on. "
+               "Please remember it."],
+        dev=["Look through this text carefully; there is a pass key somewhere inside. Remember the number.",
+             "I need the pass key from the text {below}. It's in there somewhere, make a note of it."],
+        test=["Please go through the entire passage {below} and memorise the five-digit pass key hidden "
+              "within it.",
+              "hey, there's a code in this long text (a pass key). don't lose it, I'll quiz you"],
+        **_sensitive_decoys("the pass key")),
+    "fact_word": dict(
+        train=["Read the document {below} carefully. Somewhere in it, a person's secret word is mentioned. "
+               "Find it and remember it: I will ask you for it at the end.",
+               "Someone's secret word is hidden in this text. Remember it for later.",
+               "There's a secret word belonging to one of the people in the text {below}. Please keep track "
+               "of it.",
+               "secret word somewhere in here. remember it",
+               "I'm giving you a long document. Buried in it is a sentence telling you a person's secret "
+               "word; memorise the word, I'll ask you about it.",
+               "The text {below} contains a confidential word assigned to a named individual. Retain that "
+               "word; a question about it follows.",
+               "Pay attention while reading: one line reveals somebody's secret word, and you will need it "
+               "afterwards.",
+               "Could you read through this and note whose secret word is mentioned and what it is? Thanks!"],
+        dev=["In the document {below}, look for a secret word that belongs to someone and commit it to memory.",
+             "Hidden somewhere in this passage is a person's secret word. Don't forget it."],
+        test=["Go through the whole text {below}; at some point a person's secret word is given. I'll want "
+              "it back later.",
+              "fyi this article has someone's secret word tucked inside it, keep it in mind"],
+        **_sensitive_decoys("a secret word")),
+    "name": dict(
+        train=["Somewhere in the text {below}, someone is named to a new post. Remember who it is; I'll ask "
+               "at the end.",
+               "There's an appointment announcement hidden in this document. Keep the person's full name in "
+               "mind.",
+               "Read all of this. One sentence says who got a new job; remember the name.",
+               "a name is buried in here (someone got appointed). remember it",
+               "Hello! The document {below} is long, but in the middle of it somebody is given a new role. "
+               "Could you memorise their full name? I'll ask you afterwards.",
+               "The following text contains a notice of appointment for a named individual. Retain the "
+               "individual's name for a later question.",
+               "Watch for the sentence announcing who was chosen for a post and store the name; it can "
+               "appear anywhere in the text.",
+               "I'll ask you about a new appointment that is mentioned once in this text. Keep the full name "
+               "handy."],
+        dev=["Look out for the person who is appointed to something in the passage {below}, and remember "
+             "their name.",
+             "Hidden in this text is the name of someone who just got a new position. Don't forget it."],
+        test=["Please read the whole document {below}; at some point it names a person who takes on a new "
+              "role. I'll need that name.",
+              "someone gets a new title somewhere in this article, note their name for me"],
+        **_sensitive_decoys("a new appointment")),
+    "date": dict(
+        train=["A date is mentioned somewhere in the text {below}: when an event will happen. Remember it; "
+               "I'll ask later.",
+               "Somewhere in this document is the date of an upcoming event. Keep it in mind.",
+               "Read the text and remember the date set for the event it mentions.",
+               "theres a date hidden in here for some event, remember it",
+               "Hi there! I pasted a long text {below}. Somewhere in it, a date for an event is announced. "
+               "Please memorise it, I'll ask you afterwards.",
+               "The following document includes the scheduled date of an event. Retain this date for a "
+               "subsequent question.",
+               "Keep an eye out for when the event is scheduled; it could be anywhere in the text.",
+               "One line in this text gives a month and a day for an event. Please hold on to it."],
+        dev=["Look for the date of the event in the passage {below} and don't forget it.",
+             "An event's date is tucked away somewhere in this text. Remember it."],
+        test=["Please read the entire document {below}; at some point it tells you when an event takes "
+              "place. I'll need that date.",
+              "note the event date buried in this article, I'll quiz you"],
+        **_sensitive_decoys("an event's date")),
+    "place": dict(
+        train=["Somewhere in the text {below}, it says where something was sent. Remember the city; I'll ask "
+               "you later.",
+               "There's a destination city hidden in this document. Keep it in mind.",
+               "Read the whole text and remember which city the shipment went to.",
+               "a city name is buried in here (where smth was sent). remember it",
+               "Hello! Somewhere in the long text {below} there's a line about where a delivery was sent. "
+               "Please memorise the city; I'll ask afterwards.",
+               "The following document records the destination of a consignment. Retain the destination "
+               "for a later question.",
+               "Watch for the sentence saying where an item was mailed; it could be anywhere.",
+               "I'm going to ask which city something was shipped to. The answer is in this text."],
+        dev=["Look for the city a parcel was sent to in the passage {below}, and remember it.",
+             "The place a delivery went is hidden in this text. Don't forget it."],
+        test=["Please read through the whole document {below}; somewhere it mentions where an item was "
+              "sent. I'll need the city.",
+              "theres a shipping destination tucked in this article, note the city"],
+        **_sensitive_decoys("a delivery")),
+    "recent_fact": dict(
+        train=["The text {below} has a note from a colleague near its end. Please answer my question about "
+               "the note.",
+               "A colleague left a note at the end of this text. Answer the question about it.",
+               "Read the note at the bottom and answer my question.",
+               "check the last note in this text and answer",
+               "Hi, could you look at the message from my colleague at the end of the document {below} and "
+               "help me with a quick question?",
+               "The document {below} concludes with an internal memo. Respond to the question concerning "
+               "that memo.",
+               "There's a short message about a meeting near the end of the text. I have a question about it.",
+               "Use the final note in the text {below} to answer the question."],
+        dev=["At the very end of this text there's a note from a coworker. Answer the question about it.",
+             "Look at the closing note {below} and tell me what I ask."],
+        test=["The last lines of the text {below} include a colleague's note; please answer based on it.",
+              "quick one: read the note at the end and answer my question"],
+        **_robust_decoys("a note about a meeting room")),
+    "continue": dict(
+        train=["Here is a passage. Continue the text from where it stops.",
+               "Please continue this text.",
+               "Keep writing from where the passage {below} ends.",
+               "continue it",
+               "I'd love to see how this goes on. Could you write the next part of the text {below}, "
+               "picking up exactly where it breaks off?",
+               "Extend the passage {below} with its natural continuation, matching its style.",
+               "The text stops mid-story. Write what comes next.",
+               "Finish the report {below}: carry on from the last sentence."],
+        dev=["Pick up the text {below} where it leaves off.",
+             "Write the rest of this passage."],
+        test=["Carry on writing the article {below} from the point where it ends.",
+              "go on from where this stops"],
+        decoy_dev=["Somewhere in this text an important detail is hidden. Read every part carefully and "
+                   "remember it, then continue the text from where it stops.",
+                   "Read the whole document {below} carefully, since key facts are buried deep inside it, "
+                   "and then keep writing from where it ends."],
+        decoy_test=["Hidden somewhere in the long text {below} is information you'll need. Memorise it, then "
+                    "carry on writing where the text stops.",
+                    "Pay close attention to every part of this text, even the beginning, and then continue it."]),
+    "copy_last": dict(
+        train=["I will ask you to repeat the last sentence of the text {below}.",
+               "Read this text; I need its final sentence quoted exactly.",
+               "Please look at how the document {below} ends and repeat its closing sentence.",
+               "just give me back the last sentence",
+               "Hi! Could you copy the very last sentence of this passage for me, word for word?",
+               "Reproduce verbatim the concluding sentence of the document {below}.",
+               "The text {below} stops somewhere; tell me the sentence it ends on.",
+               "Focus on the end of this text: repeat its last sentence exactly."],
+        dev=["Quote the final sentence of the passage {below}.",
+             "What's the last thing this text says? Repeat it exactly."],
+        test=["Please repeat, word for word, the sentence that the text {below} finishes with.",
+              "copy the closing line of this article"],
+        **_robust_decoys("one sentence I care about")),
+    "recent_name": dict(
+        train=["The text {below} ends with a note from the front desk. Please answer my question about it.",
+               "There's a short notice at the end of this text. Answer the question about it.",
+               "Read the last note and answer my question.",
+               "check the note at the bottom, answer my q",
+               "Hi! At the end of the document {below} there's a message from reception. Could you help me "
+               "with a question about it?",
+               "The document {below} closes with an office notice. Respond to the question regarding that "
+               "notice.",
+               "Near the end of this text someone left a note about who has something. I have a question "
+               "about it.",
+               "Use the final notice in the text {below} to answer me."],
+        dev=["At the bottom of this text is a note from the front desk; answer my question about it.",
+             "Look at the closing notice {below} and tell me what I ask."],
+        test=["The final lines of the text {below} contain a note from reception; please answer from it.",
+              "quick q about the note at the end of this"],
+        **_robust_decoys("a note about who holds something")),
+}
+
+# Question wordings (train / dev / test); decoy rows take the dev or test questions. continue has none.
+QUESTIONS = {
+    "passkey": dict(train=["What is the pass key number?", "Which number is the pass key?",
+                           "Tell me the pass key."],
+                    dev=["What was the pass key?"], test=["Give me the pass key number from the text."]),
+    "fact_word": dict(train=["What is {name}'s secret word?", "Which word is {name}'s secret word?",
+                             "Tell me the secret word of {name}."],
+                      dev=["What secret word does {name} have?"], test=["{name}'s secret word was what?"]),
+    "name": dict(train=["Who was named the new {role}?", "Who is the new {role}?",
+                        "What is the name of the new {role}?"],
+                 dev=["Tell me the full name of the new {role}."], test=["Which person became {role}?"]),
+    "date": dict(train=["When is the {event}?", "On what date will the {event} be held?",
+                        "What day is the {event}?"],
+                 dev=["Remind me of the date of the {event}."], test=["Which date was given for the {event}?"]),
+    "place": dict(train=["Where was the parcel sent?", "To which city did the parcel go?",
+                         "What city was the parcel shipped to?"],
+                  dev=["Tell me the parcel's destination."], test=["Where did the parcel for {name} go?"]),
+    "recent_fact": dict(train=["Which room has the meeting been moved to?", "What room is the meeting in now?",
+                               "Where is the meeting now, which room?"],
+                        dev=["Which room should I go to for the meeting?"],
+                        test=["The meeting moved to which room?"]),
+    "continue": dict(train=[], dev=[], test=[]),
+    "copy_last": dict(train=["What is the last sentence of the text?", "Repeat the final sentence.",
+                             "Quote the text's last sentence."],
+                      dev=["Copy out the closing sentence, word for word."],
+                      test=["Which sentence does the text end with?"]),
+    # recent_name's test question: the one change to the test split after a measurement (RESULTS.md).
+    "recent_name": dict(train=["Who is keeping the {item} today?", "With whom are the {item} today?",
+                               "Who is holding the {item}?"],
+                        dev=["Whom do I ask for the {item} today?"], test=["Who has the {item} today?"]),
+}
+assert set(FRAMES) == set(QUESTIONS) == set(TASK_NAMES)
+_QUESTION_SPLIT = dict(train="train", dev="dev", test="test", decoy_dev="dev", decoy_test="test")
 
 
 def get_task(name):
@@ -690,37 +1071,59 @@ def get_task(name):
             return t
     raise ValueError(f"unknown task {name!r}; choose from {TASK_NAMES}")
 
+def _answer(tokenizer, text, value, at=None):
+    """The answer's ids (with <|im_end|>) and the indices scored in it: the tokens of the last
+    `value` in `text` (or of the one at offset `at`, which alone is scored) and, without `at`, the
+    one before them (" " before digits, ' "' before a word: where the model commits to answering with
+    the value rather than drifting off, "The pass key is a function ...")."""
+    ids, offsets = tokenizer.encode_offsets(text)
+    a = text.rindex(value) if at is None else at
+    scored = [i for i, (s, e) in enumerate(offsets) if s < a + len(value) and e > a]
+    return ids + [tokenizer.eos_id], [scored[0] - 1] * (scored[0] > 0 and at is None) + scored
 
-def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
-    """One sample: (prompt ids, answer ids, scored answer indices, needle token positions)."""
+
+def _copy_answer(tokenizer, doc):
+    """copy_last's answer text, value and the value's offset in it: the document's last sentence,
+    scored on COPY_TOKENS tokens after its first word. Not the first word: SmolLM2 opens nearly every
+    quotation with "The" whatever the sentence (dense, 7 of 8 rows failed there and only there)."""
+    sentence = _sentences(doc[-1])[-1]
+    text = f"The last sentence is: \"{sentence}\""
+    first = len(text) - len(sentence) - 1 + len(sentence.split(" ", 1)[0])  # where the second word starts
+    ids, offsets = tokenizer.encode_offsets(text[first:])
+    return text, text[first:first + offsets[min(COPY_TOKENS, len(ids)) - 1][1]], first
+
+
+def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth, frames="train", style="before"):
+    """One sample: (prompt ids, answer ids, scored answer indices, needle token positions). The
+    instruction is one of the family's `frames` wordings, placed by `style` (before / after / none)."""
     spec = task.make(rng)
     head = chat_head(tokenizer)
+    below = "above" if style == "after" else "below"
+    instruction = rng.choice(FRAMES[task.name][frames]).format(below=below, **spec["fields"])
+    questions = QUESTIONS[task.name][_QUESTION_SPLIT[frames]]
+    question = rng.choice(questions).format(**spec["fields"]) if questions else None
+    lead = [instruction] if style == "before" else []             # the user turn: lead, document, tail
+    tail = ([instruction] if style == "after" else []) + ([question] if question else [])
 
     def render(doc, slot):
         """Prompt ids with the needle inserted before doc[slot], and the needle's token positions."""
         paras = list(doc)
         if spec["needle"] is not None:
             paras.insert(slot, spec["needle"])
-        user = "\n\n".join([spec["instruction"], *paras] + ([spec["question"]] if spec["question"] else []))
-        ids, offsets = tokenizer.encode_offsets(tokenizer.chat_text(user), special=True)
+        ids, offsets = tokenizer.encode_offsets(tokenizer.chat_text("\n\n".join(lead + paras + tail)), special=True)
         if spec["needle"] is None:
             return ids, []
-        start = len(head) + len("\n\n".join([spec["instruction"], *paras[:slot]])) + 2
+        before = lead + paras[:slot]
+        start = len(head) + len("\n\n".join(before)) + 2 * bool(before)
         end = start + len(spec["needle"])
         return ids, [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
 
-    if spec["answer"] is None:
-        answer_len = CONTINUE_TOKENS
-    else:
-        answer, offsets = tokenizer.encode_offsets(spec["answer"])
-        a = spec["answer"].rindex(spec["value"])
-        scored = [i for i, (s, e) in enumerate(offsets) if s < a + len(spec["value"]) and e > a]
-        # and the token before the value (" " before digits, ' "' before a word): where the model
-        # commits to answering with it rather than drifting off ("The pass key is a function ...")
-        scored = [scored[0] - 1] * (scored[0] > 0) + scored
-        answer = answer + [tokenizer.eos_id]
+    if spec["answer"] is not None:
+        answer, scored = _answer(tokenizer, spec["answer"], spec["value"])
         answer_len = len(answer)
-    fixed = "\n\n".join(x for x in (spec["instruction"], spec["needle"], spec["question"]) if x)
+    else:  # continue: CONTINUE_TOKENS; copy_last: a sentence, about that long (checked once it is known)
+        answer_len = CONTINUE_TOKENS + 16
+    fixed = "\n\n".join(x for x in lead + [spec["needle"]] + tail if x)
     budget = seq_len - len(tokenizer.encode(tokenizer.chat_text(fixed), special=True)) - answer_len - SLACK
     for _ in range(8):  # the document's token count is an estimate: retry shorter if it overflows
         if budget < 64 or (task.placement == "far" and budget < window + MARGIN + 64):
@@ -737,7 +1140,7 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
             slots = [j for j in range(len(doc) + 1) if after[j] <= NEAR_TOKENS]
         else:
             slots = [0]
-        if not slots:
+        if not slots or not doc:
             budget -= 64
             continue
         k = rng.randrange(len(slots)) if depth is None else round(depth * (len(slots) - 1))
@@ -749,9 +1152,13 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
             while min(needles) < sink and k + 1 < len(slots):
                 k += 1
                 prompt, needles = render(doc, slots[k])
-        if spec["answer"] is None:
+        if task.name == "continue":
             answer = tokenizer.encode(rest)[:CONTINUE_TOKENS]
             scored = list(range(len(answer)))
+        elif task.name == "copy_last":
+            if not re.match(r"[A-Z]\w*\s+\S", _sentences(doc[-1])[-1]):  # a quotation, a fragment: draw again
+                continue
+            answer, scored = _answer(tokenizer, *_copy_answer(tokenizer, doc))
         if len(prompt) + len(answer) > seq_len:
             budget -= len(prompt) + len(answer) - seq_len + 8
             continue
@@ -762,43 +1169,74 @@ def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth):
     raise ValueError(f"could not fit task {task.name!r} into seq_len {seq_len}")
 
 
+def _row_style(rng, style):
+    """The layout of one row: style itself, or drawn (mixed: MIXED; instructed: before or after, as
+    mixed draws them without "none")."""
+    if style not in ("mixed", "instructed"):
+        return style
+    choices = MIXED if style == "mixed" else [(s, p) for s, p in MIXED if s != "none"]
+    u, acc = rng.random() * sum(p for _, p in choices), 0.0
+    for s, p in choices:
+        acc += p
+        if u < acc:
+            return s
+    return choices[-1][0]
+
+
 def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train", window=256, sink=64,
-               depth=None, haystack="news"):
-    """A batch of real-text samples, balanced over task_names (None = all TASKS): row i gets
-    task_names[i % len] before a seeded shuffle. Same arguments -> same batch. split picks the
-    paragraphs ("train" or "eval", disjoint) of the haystack ("news" or "pydoc"); window and sink are the streaming heads' (Config):
-    sensitive needles lie beyond the window (by MARGIN tokens) and after the sink; depth in [0, 1] fixes where a needle goes among its
-    allowed slots (0 = farthest from the question), None draws it. CPU tensors:
+               depth=None, haystack="news", frames="train", style="mixed"):
+    """A batch of real-text samples, balanced over task_names (None = the training families,
+    TRAIN_NAMES; held-out families may be named too): row i gets task_names[i % len] before a seeded
+    shuffle. Same arguments -> same batch. split picks the paragraphs ("train" or "eval", disjoint)
+    of the haystack, a name in HAYSTACKS or a tuple of them (each row draws one); frames picks the
+    wordings (FRAME_SPLITS: "train" for training, "dev"/"test" for held-out wordings, "decoy_dev"/
+    "decoy_test" for the other category's vocabulary); style where the instruction goes ("before",
+    "after", "none", or drawn per row: "mixed" = MIXED, "instructed" = before/after only). The defaults
+    are the training data. window and sink are the streaming heads' (Config): sensitive needles lie
+    beyond the window (by MARGIN tokens) and after the sink; depth in [0, 1] fixes where a needle goes
+    among its allowed slots (0 = farthest from the question), None draws it. CPU tensors:
 
         tokens     (B, S) long  prompt + answer (+ <|im_end|>), right-padded with tokenizer.pad_id;
                                 S = the longest row <= seq_len
         targets    (B, S) long  tokens[t + 1] at scored positions t, IGNORE elsewhere (never in padding)
         task_ids   (B,)   long  index into TASKS (for per-task targets and reporting only)
         sensitive  (B,)   bool  TASKS[task_id].category == "sensitive"
-        prompt_lengths (B,) long tokens the router may read: through "<|im_start|>assistant\n"
+        prompt_lengths (B,) long tokens the router may read: through "<|im_start|>assistant\\n"
         lengths    (B,)   long  real tokens per row
         query_pos  (B,)   long  prompt_lengths - 1, the last prompt position
         needle_pos (B, N) long  token positions of the needle sentence, -1 padded (all -1 for
                                 robust tasks, as in tasks.py)
     """
     import random
-    specs = TASKS if task_names is None else [get_task(n) for n in task_names]
+    specs = TRAIN_TASKS if task_names is None else [get_task(n) for n in task_names]
     if not specs:
-        raise ValueError("task_names must be None (all) or a non-empty list of task names")
+        raise ValueError("task_names must be None (the training families) or a non-empty list of task names")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be None or in [0, 1], got {depth}")
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if frames not in FRAME_SPLITS:
+        raise ValueError(f"frames must be one of {FRAME_SPLITS}, got {frames!r}")
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    haystacks = (haystack,) if isinstance(haystack, str) else tuple(haystack)
+    bad = [h for h in haystacks if h not in HAYSTACKS]
+    if not haystacks or bad:
+        raise ValueError(f"haystack must be one of {HAYSTACKS} or a non-empty tuple of them, got {haystack!r}")
     masks.check_int("seed", seed)
     masks.check_sparse_params(sink, window)
-    corpus = _Corpus.get(tokenizer, split, haystack)
     rng = random.Random(f"{split}:{seed}")  # the split is part of the seed: eval never replays train
     order = list(range(batch_size))
     rng.shuffle(order)
     rows = []
     for i in order:
         task = specs[i % len(specs)]
-        rows.append((task, *_build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth)))
+        h = haystacks[rng.randrange(len(haystacks))] if len(haystacks) > 1 else haystacks[0]
+        corpus = _Corpus.get(tokenizer, split, h)
+        row_style = _row_style(rng, style)
+        rows.append((task, *_build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth, frames, row_style)))
     B, S = batch_size, max(len(p) + len(a) for _, p, a, _, _ in rows)
     tokens = torch.full((B, S), tokenizer.pad_id, dtype=torch.long)
     targets = torch.full((B, S), IGNORE, dtype=torch.long)
@@ -817,6 +1255,7 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
     return dict(tokens=tokens, targets=targets, task_ids=task_ids, sensitive=sensitive, prompt_lengths=prompt_lengths,
                 lengths=lengths, query_pos=prompt_lengths - 1, needle_pos=needle_pos)
 
+
 def _suite_batch(tokenizer, haystack, window, sink, split, seed, names, size, seq_len):
     return make_batch(tokenizer, names, size, seq_len, seed, split=split, window=window, sink=sink, haystack=haystack)
 
@@ -825,11 +1264,54 @@ def _suite_score(name, logits, targets):
     return nll(logits, targets) if get_task(name).metric == "nll" else answer_accuracy(logits, targets)
 
 
-def suite(tokenizer, haystack="news", window=256, sink=64):
-    """This module's tasks as a tasks.Suite (the interface train_router.py uses): batches from the
-    given haystack, with needles placed for the streaming heads' window and sink."""
-    return tasks.Suite(TASKS, partial(_suite_batch, tokenizer, haystack, window, sink), _suite_score,
-                       text_fingerprint(haystack), tokenizer)
+def _suite_condition_batch(tokenizer, window, sink, condition, names, size, seq_len, seed, dev=False):
+    return condition_batch(tokenizer, condition, names, size, seq_len, seed, window=window, sink=sink, dev=dev)
+
+
+def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64):
+    """The training suite as a tasks.Suite (the interface train_router.py uses): the training
+    families only (Suite.tasks = TRAIN_TASKS), their "train" wordings in mixed styles, each row's
+    text from one of the given haystacks (a name or a tuple), with needles placed for the streaming
+    heads' window and sink. The held-out test conditions ride along for evaluation only:
+    Suite.conditions ({condition: its families}), Suite.condition_batch(condition, names, size,
+    seq_len, seed, dev) and Suite.extra_tasks (the held-out families, for Suite.task(name))."""
+    return tasks.Suite(TRAIN_TASKS, partial(_suite_batch, tokenizer, haystack, window, sink), _suite_score,
+                       text_fingerprint(haystack), tokenizer,
+                       conditions={c: list(v["families"]) for c, v in CONDITIONS.items()},
+                       condition_batch=partial(_suite_condition_batch, tokenizer, window, sink),
+                       extra_tasks=tuple(t for t in TASKS if t.held_out))
+
+# -----------------------------------------------------------------------------
+# The frozen held-out test conditions: each changes one thing against training (or, "in_template",
+# nothing but the text, which is from the "eval" split as in every condition). Fixed before any
+# measurement; do not edit them after seeing results. dev=True gives the development twin of each
+# (the "dev" / "decoy_dev" wordings) for choices made while developing.
+
+CONDITIONS = {
+    "in_template": dict(families=TRAIN_NAMES, frames="train", style="mixed", haystack="news"),
+    "wordings": dict(families=TRAIN_NAMES, frames="test", style="instructed", haystack="news"),
+    "families": dict(families=HELD_OUT, frames="test", style="mixed", haystack="news"),
+    "haystack": dict(families=TRAIN_NAMES, frames="test", style="mixed", haystack="wiki"),
+    "question_only": dict(families=TASK_NAMES, frames="test", style="none", haystack="news"),
+    "decoys": dict(families=TASK_NAMES, frames="decoy_test", style="instructed", haystack="news"),
+}
+
+
+def condition_batch(tokenizer, condition, names=None, size=8, seq_len=2048, seed=0, *, window=256, sink=64,
+                    dev=False):
+    """A make_batch batch of one test condition (CONDITIONS), text from the "eval" split. names: a
+    subset of the condition's families (None = all of them, balanced). dev=True uses the "dev"
+    wordings instead of "test" (and "decoy_dev" instead of "decoy_test")."""
+    if condition not in CONDITIONS:
+        raise ValueError(f"unknown condition {condition!r}; choose from {list(CONDITIONS)}")
+    c = CONDITIONS[condition]
+    names = list(c["families"]) if names is None else list(names)
+    outside = [n for n in names if n not in c["families"]]
+    if outside:
+        raise ValueError(f"condition {condition!r} has no families {outside}; its families are {c['families']}")
+    frames = {"test": "dev", "decoy_test": "decoy_dev"}.get(c["frames"], c["frames"]) if dev else c["frames"]
+    return make_batch(tokenizer, names, size, seq_len, seed, split="eval", window=window, sink=sink,
+                      haystack=c["haystack"], frames=frames, style=c["style"])
 
 # -----------------------------------------------------------------------------
 # Scoring. logits/targets may be the full grid (B, S, V) / (B, S) or only the scored positions
@@ -894,16 +1376,19 @@ def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
 
 # -----------------------------------------------------------------------------
 
-def read_routers(path, n_layers=30, head_dim=64, n_kv_heads=3):
+def read_routers(path, n_layers=30, head_dim=64, n_kv_heads=3, dim=576):
     """The router checkpoint (router.pt) of a train_router.py run, or a ValueError saying why not.
     Its routers must fit a model of n_layers layers, head dim head_dim and (ranked routers, one
-    logit per KV head) n_kv_heads KV heads; the defaults are SmolLM2-135M's."""
+    logit per KV head) n_kv_heads KV heads, and a count router on the pre-pass its width dim; the
+    defaults are SmolLM2-135M's."""
     ckpt = elastic_attention.read_checkpoint(path, keys=("settings", "routers"))
     if ckpt.get("static"):
         raise ValueError(f"{path!r} holds trained static gates (static.pt), not routers: give the run's router.pt")
     saved = ckpt["settings"].get("config", {}) if isinstance(ckpt["settings"], dict) else {}
+    # what the (count) router reads per token, and its hidden width (Transformer.attach_routers)
+    width, mult = (dim, 1) if saved.get("prepass_layers") else (head_dim, saved.get("router_hidden_mult", 4))
     with torch.device("meta"):  # the shapes a router of this model has, without making one
-        want = router_lib.AttentionRouter(head_dim, saved.get("router_hidden_mult", 4)).state_dict()
+        want = router_lib.AttentionRouter(width, mult).state_dict()
     want = {k: tuple(v.shape) for k, v in want.items()}
 
     def shapes(r):
@@ -1022,7 +1507,8 @@ if __name__ == "__main__":
         fail(e)
     say(f"loading {path} (Q4_1 → float32, 135M parameters) ...")
     model, tok = from_gguf(path, **{k: saved[k] for k in ("head_config", "sink", "window", "pool_tokens",
-                                                          "router_hidden_mult", "deploy") if k in saved})
+                                                          "router_hidden_mult", "deploy", "prepass_layers")
+                                     if k in saved})
     model.to(device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     if ckpt:
         load_routers(model, ckpt)

@@ -392,6 +392,10 @@ class Suite:
                             # scored positions (scored_positions) or on the whole grid (K = S)
     text: str               # what the inputs are made of, for results.json
     tokenizer: object = None  # the real-text suite's tokenizer (None here)
+    # Real-text suite only: held-out test conditions, evaluated, never trained on.
+    conditions: dict = None   # condition name -> the task names it holds (smollm2.CONDITIONS)
+    condition_batch: object = None  # condition_batch(condition, names, size, seq_len, seed, dev) -> batch
+    extra_tasks: tuple = ()   # task families that only the conditions hold
 
     @property
     def names(self):
@@ -406,10 +410,10 @@ class Suite:
         return [t.name for t in self.tasks if t.category == "robust"]
 
     def task(self, name):
-        for t in self.tasks:
+        for t in (*self.tasks, *self.extra_tasks):
             if t.name == name:
                 return t
-        raise ValueError(f"unknown task {name!r}; choose from {self.names}")
+        raise ValueError(f"unknown task {name!r}; choose from {self.names + [t.name for t in self.extra_tasks]}")
 
     def sensitive_mask(self, device=None):
         """(T,) bool: which task ids are sensitive."""

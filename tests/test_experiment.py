@@ -482,3 +482,27 @@ def test_report_margins_pair_elastic_with_each_head_set_by_seed():
     # at 8: far +80, +60, +60; near 0, 0, 0
     assert lines[5].split() == ["static", "score", "+66.7±11.5", "(5.8)", "+0.0±0.0", "+33.3±5.8", "(5.8)"]
     assert len(lines) == 6  # no oracle, no trained static gates, no router_set@8 in these runs
+
+
+def test_report_held_out_table_gap_auc_and_paired_sign_test():
+    """The held-out block: per condition Elastic's category gap (robust minus sensitive Ω_MSR) and
+    per-input AUC, every method per family, and Elastic minus each method on the sensitive families
+    with the per-input sign test pooled over seeds."""
+    assert report.auc([0.1, 0.2], [0.9, 0.8]) == 1.0 and report.auc([0.9], [0.1]) == 0.0
+    assert report.auc([0.5, 0.1], [0.5, 0.9]) == 0.875            # one tie of four pairs counts half
+    assert report.sign_test(0, 0) == 1.0 and report.sign_test(5, 0) == pytest.approx(2 / 32)
+    assert report.sign_test(3, 3) == 1.0
+
+    def run(e_far, s_far, omegas):
+        res = lambda scores, w_far, w_near: {
+            "far": dict(score=sum(scores) / len(scores), scores=scores, omega_msr=w_far, omegas=[w_far] * len(scores)),
+            "near": dict(score=1.0, scores=[1.0, 1.0], omega_msr=w_near, omegas=[w_near] * 2)}
+        return dict(tasks={"far": "sensitive"}, held_out_tasks={"near": "robust"},
+                    metrics={"far": "accuracy", "near": "accuracy"},
+                    held_out={"families": {"elastic": res(e_far, *omegas), "static": res(s_far, 0.7, 0.7)}})
+
+    runs = [run([1.0, 1.0], [0.0, 1.0], (0.4, 0.9)), run([1.0, 0.0], [0.0, 0.0], (0.5, 0.9))]
+    text = report.held_out_table(runs)
+    assert "families: Elastic category gap 0.45±0.07, per-input AUC 1.00±0.00" in text
+    # Elastic − static on "far": +50, +50 points; inputs: seed 0 one win, seed 1 one win -> +2/-0
+    assert "static score +50.0±0.0 (+2/-0, p 0.5)" in text

@@ -777,3 +777,55 @@ def test_consistency_penalty_is_the_spread_of_each_task(L, B, Hkv, T, seed):
     before = sum(((p[:, tid == t] - p[:, tid == t].mean(1, keepdim=True)) ** 2).sum() for t in tid.unique())
     after = sum(((step[:, tid == t] - step[:, tid == t].mean(1, keepdim=True)) ** 2).sum() for t in tid.unique())
     assert after <= before + 1e-12
+
+
+@pytest.mark.parametrize("prompt_len", [40, 11, 6])   # long; shorter than skip + 2P; barely past the preamble
+def test_prepass_reads_only_the_prompts_boundaries(prompt_len, restore_rng):
+    """Config.prepass_layers: the count router reads the residual stream at the last prompt token
+    after n layers of a pass over the preamble, the first and the last pool_tokens prompt tokens
+    (each token once), run as one short sequence. So its shift equals that of the model run on
+    exactly those tokens, does not move when the middle of the prompt or the answer changes, and
+    trains; Ω_ESR counts the pre-pass's pairs as work done."""
+    ea = pytest.importorskip("elastic_attention")
+    torch.manual_seed(0)
+    skip, P = 2, 4
+    cfg = ea.Config.shape("tiny", n_layers=3, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=64, sink=2, window=8,
+                           pool_tokens=P, pool_skip=skip, prepass_layers=2)
+    model = ea.Transformer(cfg)
+    model.attach_routers(ranked=True, init_logit=-1.0)
+    with torch.no_grad():
+        model.shift_router.router_mlp[-1].weight.normal_()   # a shift that differs between inputs
+    assert model.shift_router.head_dim == cfg.dim
+    idx = torch.randint(0, cfg.vocab_size, (2, 48))
+    prompt_lengths = torch.tensor([prompt_len, 40])
+    read = sorted(set(range(min(skip + P, prompt_len))) | set(range(max(prompt_len - P, skip + P), prompt_len)))
+    h, n = model.prepass(idx, prompt_lengths)
+    assert n.tolist() == [len(read), skip + 2 * P] and h.shape == (2, cfg.dim)
+    # The same residual stream as the model run on the read tokens alone, stopped after 2 layers.
+    alone = model.embed_tokens(idx[:1, read])
+    for layer in model.layers[:2]:
+        alone, _ = layer(alone, model.rope_cos[:len(read)], model.rope_sin[:len(read)])
+    torch.testing.assert_close(h[0], alone[0, -1])
+    shift = lambda ids: torch.stack(model.eval()(ids, prompt_lengths=prompt_lengths)[1]["log_alpha"])  # (L, B, Hkv)
+    changed = idx.clone()
+    changed[0, prompt_len:] = (changed[0, prompt_len:] + 1) % cfg.vocab_size          # the answers
+    changed[1, 40:] = (changed[1, 40:] + 1) % cfg.vocab_size
+    changed[1, skip + P:40 - P] = (changed[1, skip + P:40 - P] + 1) % cfg.vocab_size  # the middle of row 1
+    torch.testing.assert_close(shift(changed), shift(idx))
+    other = idx.clone()
+    other[:, prompt_len - 1] = (other[:, prompt_len - 1] + 1) % cfg.vocab_size        # a read token
+    assert (shift(other)[0, 0] - shift(idx)[0, 0]).abs().max() > 1e-4
+    full = torch.full((2,), 48)
+    torch.testing.assert_close(model.prepass(idx, None)[0], model.prepass(idx, full)[0])  # None: every token
+    _, info = model.train()(idx, prompt_lengths=prompt_lengths)
+    info["omega_msr"].sum().backward()
+    assert model.shift_router.router_mlp[0].weight.grad.abs().max() > 0
+    model.eval()
+    modes = torch.full((cfg.n_layers, 2, cfg.n_kv_heads), ea.FULL, dtype=torch.int32)
+    plain = model(idx, modes=modes)[1]["omega_esr"]          # no routing, no pre-pass: nothing pruned
+    assert torch.equal(plain, torch.zeros(2, dtype=plain.dtype))
+    _, info = model(idx, prompt_lengths=prompt_lengths)
+    m, S = n.double(), 48
+    layers = sum(ea.masks.omega_esr_closed_form(S, mo, cfg.sink, cfg.window) for mo in info["modes"])
+    torch.testing.assert_close(info["omega_esr"].double() * cfg.n_layers,
+                               layers - cfg.prepass_layers * m * (m + 1) / (S * (S + 1)))

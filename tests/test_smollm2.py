@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -357,6 +358,40 @@ def small_news(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(smollm2, "NEWS_SHA256", hashlib.sha256(path.read_bytes()).hexdigest())
 
 
+WIKI_PAGE = """  <page>
+    <title>{title}</title>
+    <ns>{ns}</ns>
+    <revision><text xml:space="preserve">{text}</text></revision>
+  </page>
+"""
+
+
+@pytest.fixture(autouse=True)
+def small_wiki(tmp_path_factory, monkeypatch):
+    """A stand-in for the Wikipedia sample (the real one comes in the same 28 MB wheel): 60 articles
+    of two prose paragraphs in MediaWiki markup, a redirect and a talk page, bz2 XML as in the dump."""
+    import bz2
+    import hashlib
+    from xml.sax.saxutils import escape
+    folder = tmp_path_factory.getbasetemp() / "wiki-cache"
+    path = folder / os.path.basename(smollm2.WIKI_MEMBER)
+    if not path.exists():
+        rng = random.Random(1)
+        places = "river market harbour museum bridge school library orchard".split()
+        pages = [WIKI_PAGE.format(title="Old", ns=0, text="#REDIRECT [[Town 1]]"),
+                 WIKI_PAGE.format(title="Talk:Town 1", ns=1, text="A talk page: people argue here, it is not prose.")]
+        for i in range(60):
+            paras = [" ".join(f"The [[{w}|{w} of town {i}]] opened in {rng.randrange(1800, 1990)}, '''records''' say."
+                              for w in rng.sample(places, 3)) for _ in range(2)]
+            text = "{{Infobox town|name=Town %d}}\n%s\n\n== History ==\n%s<ref>A book.</ref>\n" % (i, *paras)
+            pages.append(WIKI_PAGE.format(title=f"Town {i}", ns=0, text=escape(text)))
+        folder.mkdir(exist_ok=True)
+        path.write_bytes(bz2.compress(("<mediawiki>\n" + "".join(pages) + "</mediawiki>\n").encode()))
+    fetch = smollm2.fetch_wiki
+    monkeypatch.setattr(smollm2, "fetch_wiki", lambda cache_dir=None: fetch(str(folder)))
+    monkeypatch.setattr(smollm2, "WIKI_SHA256", hashlib.sha256(path.read_bytes()).hexdigest())
+
+
 def test_text_splits_are_disjoint_prose():
     for haystack in smollm2.HAYSTACKS:
         train, held_out = smollm2.load_text("train", haystack), smollm2.load_text("eval", haystack)
@@ -366,6 +401,8 @@ def test_text_splits_are_disjoint_prose():
             assert len(p.split()) >= smollm2.MIN_WORDS and "\n" not in p and not p.startswith(("+", "|", " "))
     assert smollm2.text_fingerprint("pydoc").startswith("pydoc_data.topics (Python ")
     assert smollm2.text_fingerprint("news").startswith(f"Lee news corpus from {smollm2.NEWS_WHEEL} sha256:")
+    assert smollm2.text_fingerprint("wiki").startswith("English Wikipedia sample (CC BY-SA)")
+    assert " + pydoc_data.topics" in smollm2.text_fingerprint(("news", "pydoc"))
     with pytest.raises(ValueError, match="haystack"):
         smollm2.load_text("train", "novels")
 
@@ -378,11 +415,15 @@ def test_news_file_is_checked(monkeypatch):
 
 
 SEQ, WINDOW = 1536, 128
+ORIGINAL = ["passkey", "fact_word", "recent_fact", "continue"]  # task_ids 0-3, as before the families
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def batch(tiny_tok):
-    return smollm2.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="eval", window=WINDOW)
+    """The four original families with the instruction before the document (the layout these
+    tests read; the defaults draw the layout per row). Per test, not per module: a module fixture
+    is set up before the autouse stand-ins, so it would read (or download) the real news corpus."""
+    return smollm2.make_batch(tiny_tok, ORIGINAL, 8, SEQ, seed=0, split="eval", window=WINDOW, style="before")
 
 
 def test_batch_contract(tiny_tok, batch):
@@ -443,7 +484,7 @@ def test_continue_needs_only_the_window(tiny_tok):
     scored tokens; the answer is that report's next tokens; no earlier paragraph shares a rare name
     with it (a related report let the dense model predict names the window cannot see)."""
     window = 512  # this test's 600-token vocabulary needs ~3x SmolLM2's tokens for a sentence
-    b = smollm2.make_batch(tiny_tok, ["continue"], 8, SEQ, seed=1, split="eval", window=window)
+    b = smollm2.make_batch(tiny_tok, ["continue"], 8, SEQ, seed=1, split="eval", window=window, style="before")
     corpus = smollm2._Corpus.get(tiny_tok, "eval", "news")
     n_related = 0
     for r in range(8):
@@ -471,7 +512,7 @@ def test_needles_stay_beyond_window_and_sink(tiny_tok, seed):
 
 
 def test_batches_are_seeded_and_splits_differ(tiny_tok, batch):
-    again = smollm2.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="eval", window=WINDOW)
+    again = smollm2.make_batch(tiny_tok, ORIGINAL, 8, SEQ, seed=0, split="eval", window=WINDOW, style="before")
     assert all(torch.equal(batch[k], again[k]) for k in batch)
     train = smollm2.make_batch(tiny_tok, None, 8, SEQ, seed=0, split="train", window=WINDOW)
     held_out = set(smollm2.load_text("eval"))
@@ -493,6 +534,176 @@ def test_make_batch_rejects_bad_input(tiny_tok):
                         (dict(seed=None), "seed must be an int, got None")):
         with pytest.raises(ValueError, match=message):
             smollm2.make_batch(tiny_tok, None, 2, SEQ, **dict(dict(seed=0), **kw))
+
+
+# -----------------------------------------------------------------------------
+# Task families, wordings, layouts and the held-out test conditions.
+
+NEW = ["name", "date", "copy_last", "place", "recent_name"]
+
+
+def test_wiki_markup_becomes_prose():
+    """Templates (nested), tables, refs, comments, File/Category links, headings and lists go;
+    links keep their label, bold/italic quotes their text; redirects and other namespaces are skipped."""
+    markup = ("{{Infobox person|name=Ada|birth={{birth date|1815|12|10}}}}\n"
+              "'''Ada Lovelace''' was an English [[mathematician]] and [[Writer|writer]], known for her work "
+              "on ''the Analytical Engine''.<ref name=a>Toole, p. 3.</ref><!-- a comment -->\n"
+              "[[File:Ada.jpg|thumb|A portrait of [[Ada Lovelace|Ada]].]]\n\n"
+              "== Early life ==\n"
+              "* a list item that is long enough to count as eight words\n"
+              "{| class=\"wikitable\"\n|-\n| a table cell with many words inside it too |}\n"
+              "Her father was [[Lord Byron]] ({{lang|en|poet}}), who left when she was a month old.<ref>Ibid.</ref>\n\n"
+              "Short line.\n[[Category:Mathematicians]]\n[[de:Ada Lovelace]]")
+    assert smollm2._wiki_prose(markup) == [
+        "Ada Lovelace was an English mathematician and writer, known for her work on the Analytical Engine.",
+        "Her father was Lord Byron, who left when she was a month old."]
+    page = "<page><title>{}</title><ns>{}</ns><revision><text>{}</text></revision></page>"
+    xml = "".join([page.format("A", 0, "Ada Lovelace was an English mathematician and a writer of notes."),
+                   page.format("B", 0, "#REDIRECT [[A]]").replace("<ns>0</ns>", "<ns>0</ns><redirect title=\"A\" />"),
+                   page.format("Talk:A", 1, "This talk page sentence is long enough to be prose here."),
+                   page.format("C", 0, "&lt;ref&gt;only a reference&lt;/ref&gt;")])
+    assert smollm2.wiki_articles(xml) == [["Ada Lovelace was an English mathematician and a writer of notes."]]
+
+
+def test_frames_are_split_disjoint_and_varied():
+    for name in smollm2.TASK_NAMES:
+        frames, questions = smollm2.FRAMES[name], smollm2.QUESTIONS[name]
+        assert set(frames) == set(smollm2.FRAME_SPLITS), name
+        n = {k: len(v) for k, v in frames.items()}
+        assert n["train"] >= 8 and n["dev"] >= 2 and n["test"] >= 2 and n["decoy_dev"] >= 2 and n["decoy_test"] >= 2, n
+        assert n["train"] + n["dev"] + n["test"] >= 12
+        every = [f for v in frames.values() for f in v]
+        assert len(set(every)) == len(every), f"{name}: a wording in two splits"
+        qs = [q for v in questions.values() for q in v]
+        assert len(set(qs)) == len(qs)
+        if name != "continue":   # continue asks nothing: the document is the prompt
+            assert all(len(questions[k]) >= 1 for k in ("train", "dev", "test"))
+    clause = "Find it and remember it: I will ask you for it at the end."
+    assert sum(clause in f for v in smollm2.FRAMES.values() for fs in v.values() for f in fs) <= 2
+
+
+def test_decoys_speak_the_other_category():
+    hunt = re.compile(r"somewhere|hidden|buried|every part|whole document|remember|memorise", re.I)
+    for name in smollm2.TASK_NAMES:
+        task = smollm2.get_task(name)
+        for f in smollm2.FRAMES[name]["decoy_dev"] + smollm2.FRAMES[name]["decoy_test"]:
+            if task.category == "robust":
+                assert hunt.search(f), f"{name}: decoy without sensitive vocabulary: {f!r}"
+            else:
+                assert not hunt.search(f) and re.search(r"end|last|final", f), f"{name}: {f!r}"
+
+
+def test_task_ids_and_the_training_suite(tiny_tok):
+    ids = {t.name: t.task_id for t in smollm2.TASKS}
+    assert [ids[n] for n in ORIGINAL] == [0, 1, 2, 3]
+    assert [t.task_id for t in smollm2.TRAIN_TASKS] == list(range(len(smollm2.TRAIN_TASKS)))
+    assert sorted(ids[n] for n in smollm2.HELD_OUT) == list(range(len(smollm2.TRAIN_TASKS), len(smollm2.TASKS)))
+    assert set(smollm2.HELD_OUT) == {"place", "recent_name"}
+    assert {"name", "date", "copy_last"} <= set(smollm2.TRAIN_NAMES)
+    s = smollm2.suite(tiny_tok, "news", window=WINDOW)
+    assert s.names == smollm2.TRAIN_NAMES and not set(s.names) & set(smollm2.HELD_OUT)
+    b = s.batch("train", 0, None, 7, 1200)
+    assert sorted(b["task_ids"].tolist()) == list(range(7))
+    assert smollm2.suite(tiny_tok).text.count(" + ") == 1   # the default: news and pydoc
+
+
+def _user_turn(tok, b, r):
+    return tok.decode(b["tokens"][r, :int(b["prompt_lengths"][r])]).split("user\n", 1)[1].rsplit("\n", 2)[0]
+
+
+@pytest.mark.parametrize("style", ["before", "after", "none"])
+def test_every_family_renders_in_every_style_and_split(tiny_tok, style):
+    for frames in smollm2.FRAME_SPLITS:
+        b = smollm2.make_batch(tiny_tok, smollm2.TASK_NAMES, 9, 1200, seed=3, split="eval", window=WINDOW,
+                               frames=frames, style=style)
+        for r in range(9):
+            name = smollm2.TASKS[int(b["task_ids"][r])].name
+            user = _user_turn(tiny_tok, b, r)
+            where = "above" if style == "after" else "below"
+            mine = [f.format(below=where) for f in smollm2.FRAMES[name][frames]]
+            anyone = [f.format(below=w) for fs in smollm2.FRAMES.values() for v in fs.values() for f in v
+                      for w in ("above", "below")]
+            assert (b["targets"][r] != smollm2.IGNORE).any(), (name, frames, style)
+            if style == "none":
+                assert not any(f in user for f in anyone), f"{name}: instruction text under style none"
+            elif style == "before":
+                assert any(user.startswith(f + "\n\n") for f in mine), (name, frames)
+            else:
+                q = [x.split("{")[0] for x in smollm2.QUESTIONS[name]["train" if frames == "train" else
+                                                                     frames.replace("decoy_", "")]]
+                assert any(("\n\n" + f) in user and (user.endswith(f) or any(
+                    user.split("\n\n" + f)[1].startswith("\n\n" + x) for x in q)) for f in mine), (name, frames)
+
+
+def test_new_families_place_their_evidence(tiny_tok):
+    """Far needles beyond the window and after the sink, near notes within NEAR_TOKENS of the
+    document's end, copy_last's answer the document's last sentence; the scored value is in the prompt."""
+    b = smollm2.make_batch(tiny_tok, NEW * 2, 10, SEQ, seed=5, split="eval", window=WINDOW, style="before")
+    for r in range(10):
+        task = smollm2.TASKS[int(b["task_ids"][r])]
+        q = int(b["query_pos"][r])
+        user = _user_turn(tiny_tok, b, r)
+        scored = tiny_tok.decode(b["targets"][r][b["targets"][r] != smollm2.IGNORE])
+        value = scored if task.name == "copy_last" else scored.split(" ", 2)[-1]
+        assert value and value in user, (task.name, scored)
+        needles = b["needle_pos"][r][b["needle_pos"][r] >= 0]
+        if task.placement == "far":
+            needle = tiny_tok.decode(b["tokens"][r, needles])
+            assert value in needle and torch.equal(needles, torch.arange(int(needles[0]), int(needles[-1]) + 1))
+            assert q - int(needles.max()) >= WINDOW + smollm2.MARGIN and int(needles.min()) >= 64
+        else:
+            assert len(needles) == 0
+        paras = user.split("\n\n")[1:-1]      # the document (instruction first, question last)
+        if task.placement == "near":
+            k = next(i for i, p in enumerate(paras) if value in p and p.startswith("Note from"))
+            after = sum(len(tiny_tok.encode(p)) + 1 for p in paras[k + 1:])
+            assert after <= smollm2.NEAR_TOKENS + smollm2.SLACK, after
+        if task.name == "copy_last":   # scored from the last sentence's second word on
+            first, rest = smollm2._sentences(paras[-1])[-1].split(" ", 1)
+            assert (" " + rest).startswith(value) and len(tiny_tok.encode(value)) <= smollm2.COPY_TOKENS + 1
+
+
+def test_mixed_style_draws_its_shares():
+    rng = random.Random(0)
+    got = Counter(smollm2._row_style(rng, "mixed") for _ in range(4000))
+    assert abs(got["before"] / 4000 - 0.45) < 0.03 and abs(got["after"] / 4000 - 0.35) < 0.03
+    assert abs(got["none"] / 4000 - 0.20) < 0.03
+    assert set(smollm2._row_style(rng, "instructed") for _ in range(200)) == {"before", "after"}
+    assert smollm2._row_style(rng, "after") == "after"
+
+
+def test_make_batch_new_arguments_are_seeded_and_checked(tiny_tok):
+    kw = dict(split="eval", window=WINDOW, frames="test", style="mixed", haystack=("news", "wiki"))
+    a = smollm2.make_batch(tiny_tok, smollm2.TASK_NAMES, 9, 1200, 7, **kw)
+    again = smollm2.make_batch(tiny_tok, smollm2.TASK_NAMES, 9, 1200, 7, **kw)
+    assert all(torch.equal(a[k], again[k]) for k in a)
+    other = smollm2.make_batch(tiny_tok, smollm2.TASK_NAMES, 9, 1200, 7, **dict(kw, frames="dev"))
+    assert not torch.equal(a["tokens"][:, :200], other["tokens"][:, :200]) or not torch.equal(a["tokens"], other["tokens"])
+    texts = [tiny_tok.decode(a["tokens"][r]) for r in range(9)]
+    assert any("opened in" in t for t in texts) and any("officials said" in t for t in texts), texts
+    for bad, message in ((dict(frames="holdout"), "frames must be one of .* got 'holdout'"),
+                         (dict(style="sideways"), "style must be one of .* got 'sideways'"),
+                         (dict(haystack="novels"), "haystack must be one of .* got 'novels'"),
+                         (dict(haystack=("news", "novels")), r"got \('news', 'novels'\)"),
+                         (dict(haystack=()), r"got \(\)")):
+        with pytest.raises(ValueError, match=message):
+            smollm2.make_batch(tiny_tok, None, 2, 1200, 0, **dict(kw, **bad))
+
+
+def test_condition_batches(tiny_tok):
+    assert set(smollm2.CONDITIONS) == {"in_template", "wordings", "families", "haystack", "question_only", "decoys"}
+    for name, c in smollm2.CONDITIONS.items():
+        b = smollm2.condition_batch(tiny_tok, name, None, len(c["families"]), 1200, seed=0, window=WINDOW)
+        assert sorted(smollm2.TASKS[i].name for i in b["task_ids"].tolist()) == sorted(c["families"]), name
+    assert set(smollm2.CONDITIONS["families"]["families"]) == set(smollm2.HELD_OUT)
+    for dev, split in ((False, "test"), (True, "dev")):
+        b = smollm2.condition_batch(tiny_tok, "wordings", ["passkey"], 2, 1200, seed=0, window=WINDOW, dev=dev)
+        frames = [f.format(below=w) for f in smollm2.FRAMES["passkey"][split] for w in ("above", "below")]
+        assert all(any(f in _user_turn(tiny_tok, b, r) for f in frames) for r in range(2)), split
+    with pytest.raises(ValueError, match="unknown condition 'typos'"):
+        smollm2.condition_batch(tiny_tok, "typos", None, 2, 1200, 0)
+    with pytest.raises(ValueError, match=r"condition 'families' has no families \['passkey'\]"):
+        smollm2.condition_batch(tiny_tok, "families", ["passkey"], 2, 1200, 0)
 
 
 def test_scores():
@@ -641,8 +852,17 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     out = tmp_path / "run"
     train_router.main(["--preset", "smollm2", "--gguf", tiny_file[0], "--haystack", "pydoc", "--device", "cpu",
                        "--seq-len", "1024", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
-                       "--calib-per-task", "2", "--curve-points", "2", "--out", str(out)])
+                       "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2",
+                       "--prepass-layers", "1", "--out", str(out)])
     assert shapes == [(8, 1024)] * 4, shapes   # padded to one shape: StepGraph records once
     res = json.loads((out / "results.json").read_text())
-    assert set(res["results"]["elastic"]) == {t.name for t in smollm2.TASKS}
+    assert set(res["results"]["elastic"]) == set(smollm2.TRAIN_NAMES)   # never the held-out families
     assert res["decoded_answers"] and len(res["train_log"]) == 2 and len(res["static_log"]) == 2
+    # The frozen held-out conditions, every method on each (the main evaluation is the in-template one)
+    assert set(res["held_out"]) == set(smollm2.CONDITIONS) - {"in_template"}
+    for condition, methods in res["held_out"].items():
+        assert set(methods) == {"dense", "elastic", "static", "router_set", "oracle", "keyword", "static_trained"}
+        assert set(methods["elastic"]) == set(smollm2.CONDITIONS[condition]["families"])
+    assert "keyword" in res["results"] and res["keywords"]
+    assert res["settings"]["config"]["prepass_layers"] == 1 and res["held_out_tasks"] == {
+        "place": "sensitive", "recent_name": "robust"}
