@@ -32,6 +32,7 @@ import glob
 import json
 import math
 import os
+import tempfile
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -806,12 +807,42 @@ ROUTER_FIELDS = ("head_config", "block_size", "xa_stride", "xa_threshold", "pool
                  "router_hidden_mult")
 
 
+# mkstemp makes its files 0600; a written file gets the mode open() would give it (0666 less the umask).
+# os.umask can only be read by setting it, so read it once, here, before any thread writes.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def write_atomic(path, write, check=None):
+    """Write the file at path through write(f), f a binary file object, so that a reader sees the whole
+    old file or the whole new one, never a part: the bytes go to a temp file in the same folder, reach
+    the disk (fsync), pass check(temp_path) if given, and only then replace path in one rename.
+    The temp name is unique (mkstemp), so two processes writing one path never write into each other's
+    file: the last rename wins. On any error (Ctrl-C included) the temp file is removed and the error
+    raised; only a kill -9 mid-write can leave a stray <name>.<random>.tmp beside path."""
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename: a crash cannot leave path renamed but empty
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        if check is not None:
+            check(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
 def save_checkpoint(path, model, **extra):
-    """Atomic write (temp file + rename), so an interrupted save leaves the previous file intact."""
+    """Atomic write (write_atomic), so an interrupted save leaves the previous file intact."""
     state = {k: v for k, v in model.state_dict().items()}
-    tmp = f"{path}.tmp"
-    torch.save(dict(config=asdict(model.cfg), model=state, **extra), tmp)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: torch.save(dict(config=asdict(model.cfg), model=state, **extra), f))
 
 
 def read_checkpoint(path, map_location="cpu", keys=("config", "model")):

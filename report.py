@@ -20,6 +20,8 @@ if __name__ == "__main__":  # as a command: OpenMP threads that sleep when idle 
 
 import torch  # noqa: E402
 
+import elastic_attention  # noqa: E402
+
 # Fixed head sets are deployed at Elastic's mean Ω_MSR over the evaluation mix; the oracle picks one
 # set per category with the task label; the swap control runs sensitive inputs with a robust input's
 # routing.
@@ -207,6 +209,11 @@ def print_table(summary):
 # -----------------------------------------------------------------------------
 # Plots (matplotlib, headless).
 
+def savefig(fig, path):
+    """fig as a PNG at path, written atomically (elastic_attention.write_atomic): never a half image."""
+    elastic_attention.write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+
+
 def plots(summary, out_dir):
     """The five figures of one run, as PNG files in out_dir (nothing without matplotlib)."""
     try:
@@ -242,7 +249,7 @@ def _routing_heatmap(plt, summary, c, out_dir):
     axes[0][0].set_yticks(range(0, L, max(1, L // 8)))
     fig.colorbar(im, ax=axes[0].tolist(), label="fraction of inputs routed FULL", shrink=0.9)
     fig.suptitle(f"Elastic routing per task — {title}", fontsize=10)
-    fig.savefig(os.path.join(out_dir, "routing_heatmap.png"), dpi=110)
+    savefig(fig, os.path.join(out_dir, "routing_heatmap.png"))
 
 
 def _omega_per_task(plt, summary, c, out_dir):
@@ -263,7 +270,7 @@ def _omega_per_task(plt, summary, c, out_dir):
     ax.set_ylim(0, 1.05)
     ax.set_title(f"Sparsity per task — {title}", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.savefig(os.path.join(out_dir, "omega_per_task.png"), dpi=110)
+    savefig(fig, os.path.join(out_dir, "omega_per_task.png"))
 
 
 def _progressive(plt, summary, c, out_dir):
@@ -294,7 +301,7 @@ def _progressive(plt, summary, c, out_dir):
         ax.set_xlim(-0.03, 1.03)
     axes[0][0].legend(fontsize=7, loc="lower left")
     fig.suptitle(f"Accuracy vs sparsity — {title}", fontsize=10)
-    fig.savefig(os.path.join(out_dir, "progressive.png"), dpi=110)
+    savefig(fig, os.path.join(out_dir, "progressive.png"))
 
 
 def _omega_per_input(plt, summary, c, out_dir):
@@ -309,7 +316,7 @@ def _omega_per_input(plt, summary, c, out_dir):
     ax.set_ylabel("Ω_MSR per input")
     ax.set_ylim(-0.03, 1.03)
     ax.set_title(f"Elastic Ω_MSR per held-out input — {title}", fontsize=10)
-    fig.savefig(os.path.join(out_dir, "omega_per_input.png"), dpi=110)
+    savefig(fig, os.path.join(out_dir, "omega_per_input.png"))
 
 
 def _training(plt, summary, c, out_dir):
@@ -338,7 +345,7 @@ def _training(plt, summary, c, out_dir):
         ax.set_xlabel("router step")
         ax.legend(fontsize=8)
     fig.suptitle(f"Router training — {title}", fontsize=10)
-    fig.savefig(os.path.join(out_dir, "training.png"), dpi=110)
+    savefig(fig, os.path.join(out_dir, "training.png"))
 
 
 # -----------------------------------------------------------------------------
@@ -369,13 +376,13 @@ def aggregate(run_dirs, out_dir):
                 for stat in ("score", "omega_msr", "omega_esr", "omega_esr_last")}
             for t in runs[0]["results"][key]}
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    # atomic: a kill or a full disk mid-write keeps the previous results.json whole
+    elastic_attention.write_atomic(os.path.join(out_dir, "results.json"),
+                                   lambda f: f.write(json.dumps(summary, indent=1).encode()))
     text = table(runs)
     if runs[0].get("held_out"):
         text += "\n\n" + held_out_table(runs)
-    with open(os.path.join(out_dir, "table.txt"), "w") as f:
-        f.write(text + "\n")
+    elastic_attention.write_atomic(os.path.join(out_dir, "table.txt"), lambda f: f.write((text + "\n").encode()))
     print("\n" + text)
     print(f"mean ± sd over {len(runs)} seeds in {out_dir}/results.json and table.txt")
 

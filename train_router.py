@@ -812,11 +812,12 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
 
     def save():
         if run.main:
-            torch.save(dict(settings=settings, static=static, routers=[r.state_dict() for r in model.routers],
-                            shift_router=None if model.shift_router is None else model.shift_router.state_dict(),
-                            lagrangian=lagrangian.state_dict(), optimizer=optimizer.state_dict(),
-                            scheduler=scheduler.state_dict(), step=len(train_log), log=train_log), path + ".tmp")
-            os.replace(path + ".tmp", path)  # atomic: Ctrl-C mid-save keeps the previous checkpoint
+            ckpt = dict(settings=settings, static=static, routers=[r.state_dict() for r in model.routers],
+                        shift_router=None if model.shift_router is None else model.shift_router.state_dict(),
+                        lagrangian=lagrangian.state_dict(), optimizer=optimizer.state_dict(),
+                        scheduler=scheduler.state_dict(), step=len(train_log), log=train_log)
+            # atomic: Ctrl-C (or kill -9) mid-save keeps the previous checkpoint
+            elastic_attention.write_atomic(path, lambda f: torch.save(ckpt, f))
 
     interrupted = []  # Ctrl-C sets a flag; the step in flight finishes, then the run saves and exits
 
@@ -1345,8 +1346,9 @@ def write_report(run, t_start, summary):
                    tasks={t.name: t.category for t in run.suite.tasks},
                    held_out_tasks={t.name: t.category for t in run.suite.extra_tasks},
                    metrics={t.name: t.metric for t in (*run.suite.tasks, *run.suite.extra_tasks)}, text=run.suite.text)
-    with open(os.path.join(run.out_dir, "results.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    # atomic: a kill or a full disk mid-write keeps the previous results.json whole
+    elastic_attention.write_atomic(os.path.join(run.out_dir, "results.json"),
+                                   lambda f: f.write(json.dumps(summary, indent=1).encode()))
     report.plots(summary, run.out_dir)
     report.print_table(summary)
     print(f"outputs in {run.out_dir}/: results.json, model.pt (backbone + routers), router.pt"
