@@ -295,6 +295,11 @@ def settings_from(args):
         fail(f"--preset {args.preset} trains at {P['seq_len']} tokens: hours on a CPU. Use a GPU, or the tiny preset")
     if P["suite"] == "synthetic" and not trains_backbone(P) and not os.path.isfile(P["backbone"]):
         fail(f"backbone checkpoint {P['backbone']!r} not found (use --backbone train to make one)")
+    for flag in ("resume", "out"):   # an empty value would silently mean "none" or "the default folder"
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            fail(f"--{flag} is empty: give a path, or leave the flag out")
+    if args.resume and os.path.isdir(args.resume):
+        fail(f"--resume {args.resume!r} is a folder: give its router.pt")
     if args.resume and not os.path.isfile(args.resume):
         fail(f"router checkpoint {args.resume!r} not found")
     return P, targets
@@ -314,9 +319,9 @@ def backbone_stages(args, P):
         except ValueError:
             fail(f"--backbone-stages must look like 'tokens:steps:batch:lr,...', got {args.backbone_stages!r}")
         for n, steps, size, lr in stages:
-            if not (1 <= n <= P["seq_len"] and steps >= 1 and size >= 1 and lr > 0):
+            if not (1 <= n <= P["seq_len"] and steps >= 1 and size >= 1 and math.isfinite(lr) and lr > 0):
                 fail(f"backbone stage {n}:{steps}:{size}:{lr} needs 1 <= tokens <= {P['seq_len']}, steps >= 1, "
-                     "batch >= 1 and lr > 0")
+                     "batch >= 1 and a finite lr > 0")
     if args.backbone_steps is not None and stages:  # the first stage; extension stages keep theirs
         stages = [(stages[0][0], args.backbone_steps, *stages[0][2:])] + list(stages[1:])
     return stages
@@ -582,6 +587,7 @@ def router_settings(run, model, targets):
     return dict(config=asdict(model.cfg), seed=args.seed, steps=P["steps"], batch_size=P["batch_size"],
                 router_lr=P["router_lr"], static_steps=P["static_steps"], static_lr=P["static_lr"],
                 lambda_lr=P["lambda_lr"], lambda_schedule=P["lambda_schedule"], targets=list(targets),
+                calib_per_task=run.per_task("calib"),   # calibration sets the input statistics and the 'auto' target
                 gate=args.gate, abs_lagrangian=args.abs_lagrangian, logit_penalty=P["logit_penalty"],
                 router_init=P["router_init"], consistency=P["consistency"], clip=P.get("clip"),
                 loss=P.get("loss", "tokens"), router_norm=P.get("router_norm", False), router=P["router"],

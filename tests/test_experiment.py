@@ -171,6 +171,10 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     (["--deploy", "global"], "--deploy global ranks every layer's heads at once, which needs --router ranked"),
     (["--backbone", "no/such/file.pt"], "not found"),
     (["--resume", "no/such/router.pt"], "not found"),
+    (["--resume", ""], "--resume is empty"),
+    (["--out", ""], "--out is empty"),
+    (["--resume", "tests"], "--resume 'tests' is a folder: give its router.pt"),
+    (["--backbone-stages", "256:3:4:inf"], "a finite lr > 0"),
     (["--router-lr", "nan"], "--router-lr must be a finite number > 0, got nan"),
     (["--lambda-lr", "-1"], "--lambda-lr must be a finite number > 0, got -1.0"),
     (["--static-lr", "0"], "--static-lr must be a finite number > 0, got 0.0"),
@@ -212,10 +216,11 @@ def test_deploy_rule_reaches_the_model_config(argv, deploy):
 
 
 def test_resume_refuses_other_settings(quick_run, tmp_path):
-    """--resume with other targets / learning rates / gate would silently keep the saved ones."""
+    """--resume with other targets / learning rates / gate / calibration size would silently keep the
+    saved ones (with --targets auto the calibration size sets the sensitive target)."""
     out, _ = quick_run
     for flag, value in (("--targets", "0.5,1.0"), ("--router-lr", "1e-3"), ("--lambda-lr", "1e-3"),
-                        ("--lambda-schedule", "constant"), ("--gate", "gumbel")):
+                        ("--lambda-schedule", "constant"), ("--gate", "gumbel"), ("--calib-per-task", "2")):
         proc = run_script("--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"), *QUICK[2:],
                           flag, value, "--out", str(tmp_path), timeout=120)
         assert proc.returncode != 0 and "was trained with other settings" in proc.stderr, (flag, proc.stderr[-1500:])
