@@ -478,9 +478,10 @@ class Transformer(nn.Module):
             layer.self_attn.router = r.to(device)
             params += list(r.parameters())
         self.shift_router = None
-        if ranked:  # it reads layer 0's keys (D per KV head), or the pre-pass's residual stream (C, one "head")
-            width, mult = (c.dim, 1) if c.prepass_layers else (c.head_dim, c.router_hidden_mult)  # C wide: hidden ×1
-            self.shift_router = router_lib.AttentionRouter(width, mult, c.pool_tokens, c.pool_skip, 0.0).to(device)
+        if ranked:  # it reads the pre-pass's residual stream (C, one "head"), or layer 0's keys (D per KV head)
+            self.shift_router = (router_lib.CountRouter(c.dim) if c.prepass_layers else
+                                 router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens,
+                                                            c.pool_skip, 0.0)).to(device)
             params += list(self.shift_router.parameters())
         return params
 

@@ -322,6 +322,55 @@ def fit_input_norm(router, pooled):
     router.in_scale.copy_(x.std(0).clamp(min=1e-6))
 
 
+class CountRouter(nn.Module):
+    """The count router on the routing pre-pass (Transformer.prepass): one residual vector per prompt
+    (B, H, C) → one log α shift per prompt (B, H). It whitens the vector, then reads it linearly.
+
+    Why whitened and linear, where the per-layer routers standardise and use two MLPs: prompts of
+    one kind differ most in their wording and their text, and those directions dominate the raw
+    residual. Whitening (with shrinkage) scales them down, so the readout follows what separates the
+    kinds, much as linear discriminant analysis does. On the development prompts, a linear readout of
+    the whitened residual told the kinds apart better than one of the standardised residual, and the
+    MLP of AttentionRouter, trained on the same prompts, learned their wordings (METHOD.md §4).
+    """
+
+    SHRINK = 1.0   # added to the eigenvalues of the inputs' correlation matrix before whitening
+
+    def __init__(self, width, init_logit=0.0):
+        super().__init__()
+        masks.check_int("width", width, 1)
+        if isinstance(init_logit, bool) or not isinstance(init_logit, (int, float)) or not math.isfinite(init_logit):
+            raise ValueError(f"init_logit must be a finite number, got {init_logit!r}")
+        self.head_dim = width
+        self.register_buffer("in_shift", torch.zeros(width))         # (C,)
+        self.register_buffer("whiten", torch.eye(width))             # (C, C); fit_whitening sets it
+        self.readout = nn.Linear(width, 1)
+        with torch.no_grad():   # a zero readout starts every prompt at init_logit; its gradient is x, not 0
+            self.readout.weight.zero_()
+            self.readout.bias.fill_(init_logit)
+
+    def logits(self, x):
+        """x (B, H, C) → log α (B, H) float32."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x = (x.float() - self.in_shift) @ self.whiten                  # (B, H, C)
+            return self.readout(x).squeeze(-1)                             # (B, H)
+
+
+@torch.no_grad()
+def fit_whitening(router, x):
+    """Set a CountRouter's whitening from its inputs on calibration prompts, x (N, C):
+    W = diag(1/sd) · V (Λ + SHRINK)^(−1/2) Vᵀ, with V Λ Vᵀ the correlation matrix of x."""
+    x = x.double()
+    if x.dim() != 2 or x.shape[0] < 2:
+        raise ValueError(f"fit_whitening needs at least two (N, C) vectors, got {tuple(x.shape)}")
+    sd = x.std(0).clamp(min=1e-6)
+    z = (x - x.mean(0)) / sd
+    evals, evecs = torch.linalg.eigh(z.T @ z / (len(z) - 1))
+    w = (evecs * (evals.clamp(min=0) + router.SHRINK).rsqrt()) @ evecs.T
+    router.in_shift.copy_(x.mean(0))
+    router.whiten.copy_(w / sd[:, None])
+
+
 class StaticGate(nn.Module):
     """The trained static baseline (DuoAttention / PruLong): one learned log α per KV head, the same
     for every input. It has AttentionRouter's interface, so it trains through the same gate,

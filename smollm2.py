@@ -1379,17 +1379,17 @@ def read_routers(path, n_layers=30, head_dim=64, n_kv_heads=3, dim=576):
     if ckpt.get("static"):
         raise ValueError(f"{path!r} holds trained static gates (static.pt), not routers: give the run's router.pt")
     saved = ckpt["settings"].get("config", {}) if isinstance(ckpt["settings"], dict) else {}
-    # what the (count) router reads per token, and its hidden width (Transformer.attach_routers)
-    width, mult = (dim, 1) if saved.get("prepass_layers") else (head_dim, saved.get("router_hidden_mult", 4))
-    with torch.device("meta"):  # the shapes a router of this model has, without making one
-        want = router_lib.AttentionRouter(width, mult).state_dict()
-    want = {k: tuple(v.shape) for k, v in want.items()}
+    mult = saved.get("router_hidden_mult", 4)
+    with torch.device("meta"):  # the shapes a router of this model has, without making one (attach_routers)
+        count = router_lib.CountRouter(dim) if saved.get("prepass_layers") else router_lib.AttentionRouter(head_dim, mult)
+        want, want_count = router_lib.AttentionRouter(head_dim, mult).state_dict(), count.state_dict()
+    want, want_count = ({k: tuple(v.shape) for k, v in w.items()} for w in (want, want_count))
 
     def shapes(r):
         return {k: tuple(getattr(v, "shape", ())) for k, v in r.items()} if isinstance(r, dict) else r
     got = [shapes(r) for r in ckpt["routers"]]
     if ckpt.get("shift_router") is not None:  # ranked routers: a logit per KV head per layer, one shift router
-        fits = (shapes(ckpt["shift_router"]) == want and len(got) == n_layers
+        fits = (shapes(ckpt["shift_router"]) == want_count and len(got) == n_layers
                 and all(isinstance(r, dict) and r == {"log_alpha": (n_kv_heads,)} for r in got))
     else:
         fits = got == [want] * n_layers

@@ -948,8 +948,8 @@ def replica_difference(run, params):
 @torch.no_grad()
 def fit_router_inputs(run, model):
     """Each router's input standardisation from the dense backbone's pooled keys on calibration
-    prompts of every task (router.fit_input_norm); for a count router on the pre-pass, from its
-    pooled residual stream."""
+    prompts of every task (router.fit_input_norm); for the count router on the pre-pass, its
+    whitening from the pre-pass's residual stream (router.fit_whitening)."""
     cfg = model.cfg
     full_mode = HEAD_CONFIGS[cfg.head_config][0]
     pooled = [[] for _ in model.layers]
@@ -967,7 +967,10 @@ def fit_router_inputs(run, model):
                 pooled[layer].append(router_lib.boundary_pool(record["k_pre"], b["prompt_lengths"], cfg.pool_tokens,
                                                               cfg.pool_skip))
     if model.shift_router is not None:  # ranked: only the count router reads them
-        router_lib.fit_input_norm(model.shift_router, torch.cat(pooled[0]))
+        if cfg.prepass_layers:
+            router_lib.fit_whitening(model.shift_router, torch.cat(pooled[0])[:, 0])
+        else:
+            router_lib.fit_input_norm(model.shift_router, torch.cat(pooled[0]))
         return
     for r, xs in zip(model.routers, pooled):
         router_lib.fit_input_norm(r, torch.cat(xs))

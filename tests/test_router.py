@@ -286,6 +286,35 @@ def test_fit_input_norm_standardises_the_pooled_keys():
         fit_input_norm(r, pooled[:1, :1])
 
 
+def test_fit_whitening_decorrelates_the_count_routers_input():
+    """After fit_whitening on (N, C) vectors, those vectors reach the readout centred, with covariance
+    R (R + SHRINK·I)⁻¹ in the standardised frame: the correlation matrix's eigenvalues λ become
+    λ / (λ + SHRINK), so a direction in which the inputs vary a lot is scaled down the most. Before
+    fitting the router sees them unchanged; a zero readout starts every input at init_logit."""
+    from router import CountRouter, fit_whitening
+    g = torch.Generator().manual_seed(0)
+    C, N = 6, 4000
+    mix = torch.randn(C, C, generator=g, dtype=torch.float64)
+    x = 3.0 + torch.randn(N, C, generator=g, dtype=torch.float64) @ mix          # correlated, offset
+    r = CountRouter(C, init_logit=-0.5)
+    seen = []
+    hook = r.readout.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().double()))
+    with torch.no_grad():
+        torch.testing.assert_close(r.logits(x[:5, None].float()), torch.full((5, 1), -0.5))
+        assert torch.allclose(seen[-1][:, 0], x[:5], atol=1e-5)
+        fit_whitening(r, x.float())
+        r.logits(x[:, None].float())
+    hook.remove()
+    y = seen[-1][:, 0]
+    sd = x.std(0)
+    corr = torch.corrcoef(x.T)
+    want = corr @ torch.linalg.inv(corr + r.SHRINK * torch.eye(C, dtype=torch.float64))
+    assert y.mean(0).abs().max() < 1e-3
+    torch.testing.assert_close(torch.cov(y.T), want, atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="at least two"):
+        fit_whitening(r, x[:1].float())
+
+
 @FAST
 @given(keys_and_lengths())
 def test_router_ignores_middle_tokens_and_padding(kl):
@@ -794,7 +823,7 @@ def test_prepass_reads_only_the_prompts_boundaries(prompt_len, restore_rng):
     model = ea.Transformer(cfg)
     model.attach_routers(ranked=True, init_logit=-1.0)
     with torch.no_grad():
-        model.shift_router.router_mlp[-1].weight.normal_()   # a shift that differs between inputs
+        model.shift_router.readout.weight.normal_()   # a shift that differs between inputs
     assert model.shift_router.head_dim == cfg.dim
     idx = torch.randint(0, cfg.vocab_size, (2, 48))
     prompt_lengths = torch.tensor([prompt_len, 40])
@@ -819,7 +848,7 @@ def test_prepass_reads_only_the_prompts_boundaries(prompt_len, restore_rng):
     torch.testing.assert_close(model.prepass(idx, None)[0], model.prepass(idx, full)[0])  # None: every token
     _, info = model.train()(idx, prompt_lengths=prompt_lengths)
     info["omega_msr"].sum().backward()
-    assert model.shift_router.router_mlp[0].weight.grad.abs().max() > 0
+    assert model.shift_router.readout.weight.grad.abs().max() > 0
     model.eval()
     modes = torch.full((cfg.n_layers, 2, cfg.n_kv_heads), ea.FULL, dtype=torch.int32)
     plain = model(idx, modes=modes)[1]["omega_esr"]          # no routing, no pre-pass: nothing pruned
