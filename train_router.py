@@ -62,10 +62,10 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import elastic_attention  # noqa: E402
-import kernels  # noqa: E402
-import masks  # noqa: E402
-import router as router_lib  # noqa: E402
-import tasks  # noqa: E402
+from elastic_attention import kernels  # noqa: E402
+from elastic_attention import masks  # noqa: E402
+from elastic_attention import router as router_lib  # noqa: E402
+from elastic_attention import tasks  # noqa: E402
 from elastic_attention import HEAD_CONFIGS  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -239,7 +239,7 @@ def settings_from(args):
     if P["prepass_layers"] and P["router"] != "ranked":
         fail(f"--prepass-layers feeds the count router of --router ranked (got {P['router']})")
     if P["suite"] == "smollm2":
-        import smollm2
+        from elastic_lab import smollm2
         P["haystack"] = P["haystack"].split(",") if isinstance(P["haystack"], str) else list(P["haystack"])
         bad = [h for h in P["haystack"] if h not in smollm2.HAYSTACKS or h == smollm2.HELD_OUT_HAYSTACK]
         if bad or not P["haystack"]:
@@ -426,7 +426,7 @@ def run_seeds(args, argv):
                                "--out", os.path.join(base, f"seed{seed}")])
         if proc.returncode:
             fail(f"the run with seed {seed} failed (exit {proc.returncode})")
-    import report
+    from elastic_lab import report
     report.aggregate([os.path.join(base, f"seed{s}") for s in seeds], base)
 
 
@@ -465,7 +465,7 @@ def load_suite(P, args, rank, world):
                                               prepass_layers=P["prepass_layers"],
                                               **{"pool_tokens": P["pool_tokens"]} if P.get("pool_tokens") else {})
         return tasks.suite(cfg.window, cfg.sink, cfg.n_layers, P["seq_len"]), None, cfg
-    import smollm2
+    from elastic_lab import smollm2
     if args.gguf:
         smollm2.verify_gguf(args.gguf)
         path = args.gguf
@@ -1150,7 +1150,7 @@ def keyword_rule(suite, haystacks=("news", "pydoc"), rare=0.01):
     """The baseline a learned router must beat: the words that the training instructions and
     questions of sensitive tasks use at least twice, those of robust tasks never, and at most 1 %
     of the training documents' paragraphs (else every document would say them)."""
-    import smollm2
+    from elastic_lab import smollm2
     words = lambda text: set(re.findall(r"[a-z]+", text.lower()))
     sensitive, robust = Counter(), set()
     for t in suite.tasks:
@@ -1336,7 +1336,7 @@ def decoded_answers(run, model):
     """A few answers per task, decoded greedily with the routers deciding (real-text suite only)."""
     if run.P["suite"] != "smollm2":
         return {}
-    import smollm2
+    from elastic_lab import smollm2
     c = model.cfg
     smollm2.load_routers(model, smollm2.read_routers(os.path.join(run.out_dir, "router.pt"), c.n_layers, c.head_dim,
                                                      c.n_kv_heads, c.dim))
@@ -1350,7 +1350,7 @@ def decoded_answers(run, model):
 
 def write_report(run, t_start, summary):
     """results.json, the plots and the table (rank 0 only)."""
-    import report
+    from elastic_lab import report
     summary = dict(summary, hardware=report.hardware(run.device), wall_time_s=time.time() - t_start,
                    tasks={t.name: t.category for t in run.suite.tasks},
                    held_out_tasks={t.name: t.category for t in run.suite.extra_tasks},

@@ -12,11 +12,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import decode
+from elastic_attention import decode
 import elastic_attention
-import kernels
-import masks
-from masks import BLOCK_SPARSE, FULL, STREAMING
+from elastic_attention import kernels
+from elastic_attention import masks
+from elastic_attention.masks import BLOCK_SPARSE, FULL, STREAMING
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

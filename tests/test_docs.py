@@ -59,7 +59,7 @@ def test_readme_breakpoint_is_in_the_inner_loop():
     statement in the body of _attn_fwd_inner (edits above it move the line; update the README)."""
     stop = "qk = tl.dot(q, tl.trans(k)"
     readme = read("README.md")
-    lines = read("kernels.py").splitlines()
+    lines = read("elastic_attention/kernels.py").splitlines()
     refs = [int(n) for n in re.findall(r"kernels\.py:(\d+)", readme)]
     assert refs and stop in readme, "the README names no kernels.py line for the debugger"
     start = next(i for i, line in enumerate(lines) if "def _attn_fwd_inner(" in line)

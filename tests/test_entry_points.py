@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENTRY_POINTS = ("train_router.py", "smollm2.py", "bench.py", "report.py")
+ENTRY_POINTS = ("train_router.py", "elastic_lab/smollm2.py", "elastic_lab/bench.py", "elastic_lab/report.py")
 
 
 def run(*args, env=None, timeout=120):
@@ -70,9 +70,9 @@ def test_train_router_triton_on_a_cpu_needs_the_interpreter_before_anything_star
 
 
 def test_report_of_a_folder_without_a_run_is_one_line(tmp_path):
-    one_line_error(run("report.py", str(tmp_path / "nope")), "no results.json")
+    one_line_error(run("-m", "elastic_lab.report", str(tmp_path / "nope")), "no results.json")
     (tmp_path / "results.json").write_text("{")
-    one_line_error(run("report.py", str(tmp_path)), "results.json")
+    one_line_error(run("-m", "elastic_lab.report", str(tmp_path)), "results.json")
 
 
 @pytest.fixture
@@ -84,16 +84,16 @@ def empty_cache(tmp_path):
 
 
 def test_smollm2_refuses_a_missing_or_binary_file_before_the_download(tmp_path, empty_cache):
-    one_line_error(run("smollm2.py", "--file", str(tmp_path / "nope.txt"), env=empty_cache),
+    one_line_error(run("-m", "elastic_lab.smollm2", "--file", str(tmp_path / "nope.txt"), env=empty_cache),
                    "nope.txt", "No such file")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    one_line_error(run("smollm2.py", "--file", str(tmp_path / "latin1.txt"), env=empty_cache), "not UTF-8")
+    one_line_error(run("-m", "elastic_lab.smollm2", "--file", str(tmp_path / "latin1.txt"), env=empty_cache), "not UTF-8")
 
 
 def test_smollm2_refuses_cuda_without_a_gpu_before_the_download(empty_cache):
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")
-    one_line_error(run("smollm2.py", "--device", "cuda", env=empty_cache), "no CUDA device")
+    one_line_error(run("-m", "elastic_lab.smollm2", "--device", "cuda", env=empty_cache), "no CUDA device")
 
 
 def test_smollm2_refuses_routers_of_another_model_before_the_download(tmp_path, empty_cache):
@@ -103,19 +103,19 @@ def test_smollm2_refuses_routers_of_another_model_before_the_download(tmp_path, 
     import torch
 
     import elastic_attention
-    import tasks
+    from elastic_attention import tasks
     cfg = elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE)
     model = elastic_attention.Transformer(cfg)
     model.attach_routers()
     path = tmp_path / "router.pt"
     torch.save(dict(settings=dict(config=asdict(cfg)), static=False,
                     routers=[r.state_dict() for r in model.routers]), path)
-    one_line_error(run("smollm2.py", "--routers", str(path), env=empty_cache), str(path))
-    one_line_error(run("smollm2.py", "--routers", str(tmp_path / "none.pt"), env=empty_cache), "none.pt")
+    one_line_error(run("-m", "elastic_lab.smollm2", "--routers", str(path), env=empty_cache), str(path))
+    one_line_error(run("-m", "elastic_lab.smollm2", "--routers", str(tmp_path / "none.pt"), env=empty_cache), "none.pt")
 
 
 def test_smollm2_help_explains_every_option():
-    out = run("smollm2.py", "--help").stdout
+    out = run("-m", "elastic_lab.smollm2", "--help").stdout
     description = out.split("\n\n")[1]
     assert description.replace("\n", " ").strip().endswith("."), description
     options = re.findall(r"^  (-{1,2}[\w-]+|question)(.*)\n((?:\s{20,}.*\n)*)", out, re.M)
@@ -131,7 +131,7 @@ def test_readme_route_your_input_snippet_names_each_rows_task(tmp_path):
     import torch
 
     import elastic_attention
-    import tasks
+    from elastic_attention import tasks
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
     torch.manual_seed(0)
@@ -149,9 +149,9 @@ def test_readme_route_your_input_snippet_names_each_rows_task(tmp_path):
 
 def test_importing_bench_runs_nothing(tmp_path):
     """Notebooks and tests import bench for its peers and helpers: no output, no folder, and the
-    interpreter switch (which only `python bench.py` on a CPU flips) left alone."""
+    interpreter switch (which only `python -m elastic_lab.bench` on a CPU flips) left alone."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", "import os, bench; print(os.environ.get('TRITON_INTERPRET'))"],
+    proc = subprocess.run([sys.executable, "-c", "import os, elastic_lab.bench; print(os.environ.get('TRITON_INTERPRET'))"],
                           cwd=tmp_path, env=dict(env, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == "None\n", proc.stdout
@@ -174,7 +174,7 @@ def test_bench_refuses_a_long_sequence_on_a_cpu_before_making_a_folder(tmp_path)
     if __import__("torch").cuda.is_available():
         pytest.skip("with CUDA, long sequences are the point")
     out = tmp_path / "bench"
-    one_line_error(run("bench.py", "--seq-lens", "256,65536", "--out", str(out)), "[65536]", "CPU")
+    one_line_error(run("-m", "elastic_lab.bench", "--seq-lens", "256,65536", "--out", str(out)), "[65536]", "CPU")
     assert not out.exists()
 
 
@@ -186,7 +186,7 @@ def test_bench_cpu_smoke_peers_agree_and_the_cache_saves_its_ideal(tmp_path):
     finite loss."""
     if __import__("torch").cuda.is_available():
         pytest.skip("on a GPU bench.py times the full shapes")
-    proc = run("bench.py", "--tables", "forward", "decode", "train", "--fracs", "0.5", "--out", str(tmp_path),
+    proc = run("-m", "elastic_lab.bench", "--tables", "forward", "decode", "train", "--fracs", "0.5", "--out", str(tmp_path),
                timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(tmp_path / "bench.json", encoding="utf-8") as f:
@@ -211,8 +211,8 @@ def test_bench_block_masks_equal_flex_own(S, q_len, H, G):
     for per-head modes with block-sparse heads, one decode query, and a mask shared by every head."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
-    import bench
-    import masks
+    from elastic_lab import bench
+    from elastic_attention import masks
     g = torch.Generator().manual_seed(S + G)
     modes = torch.randint(0, 2, (1, 4 if H is None else H // G), generator=g)
     modes[0, 0] = masks.BLOCK_SPARSE

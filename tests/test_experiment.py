@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import elastic_attention
-import report
-import tasks
+from elastic_lab import report
+from elastic_attention import tasks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--backbone-steps", "2", "--steps", "3", "--eval-per-task", "4", "--batch-size", "5", "--curve-points", "3"]
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import kernels
-import masks
-from masks import BLOCK_SPARSE, FULL, STREAMING
+from elastic_attention import kernels
+from elastic_attention import masks
+from elastic_attention.masks import BLOCK_SPARSE, FULL, STREAMING
 
 pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
 

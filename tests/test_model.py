@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import elastic_attention
-import masks
-from masks import FULL, STREAMING
+from elastic_attention import masks
+from elastic_attention.masks import FULL, STREAMING
 
 SETTINGS = settings(max_examples=10, deadline=None)
 
@@ -183,8 +183,8 @@ def test_logits_at_positions_equal_the_full_grid():
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 def test_config_backend_reaches_xattention_scoring_and_decode(backend, monkeypatch):
     """Config.backend is the one choice for prefill, XAttention scoring and the decode cache."""
-    import decode
-    import xattention
+    from elastic_attention import decode
+    from elastic_attention import xattention
     seen = []
     score = xattention.xattention_scores
     monkeypatch.setattr(xattention, "xattention_scores",

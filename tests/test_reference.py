@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import kernels
-import masks
-from masks import BLOCK_SPARSE, FULL, STREAMING
+from elastic_attention import kernels
+from elastic_attention import masks
+from elastic_attention.masks import BLOCK_SPARSE, FULL, STREAMING
 
 SETTINGS = settings(max_examples=30, deadline=None)
 

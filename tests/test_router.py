@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
-import router
-from router import (AttentionRouter, SparsityLagrangian, boundary_pool, build_optimizer, count_gate,
+from elastic_attention import router
+from elastic_attention.router import (AttentionRouter, SparsityLagrangian, boundary_pool, build_optimizer, count_gate,
                     deterministic_gate, freeze_backbone, gumbel_softmax_gate, hard_concrete_gate,
                     hard_concrete_sample, omega_msr, prob_full, prob_gradient, prob_nonzero, prob_one,
                     prob_zero)
@@ -266,7 +266,7 @@ def test_boundary_pool_skips_the_shared_preamble(kl, skip):
 def test_fit_input_norm_standardises_the_pooled_keys():
     """After fitting on pooled keys, those keys reach the MLPs with mean 0 and sd 1 per feature
     (over prompts and heads); before fitting the router sees them unchanged."""
-    from router import fit_input_norm
+    from elastic_attention.router import fit_input_norm
     g = torch.Generator().manual_seed(0)
     k = 5.0 + 3.0 * torch.randn(16, 3, 12, 8, generator=g)         # a large shared offset, as real keys have
     lengths = torch.full((16,), 12)
@@ -291,7 +291,7 @@ def test_fit_whitening_decorrelates_the_count_routers_input():
     R (R + SHRINK·I)⁻¹ in the standardised frame: the correlation matrix's eigenvalues λ become
     λ / (λ + SHRINK), so a direction in which the inputs vary a lot is scaled down the most. Before
     fitting the router sees them unchanged; a zero readout starts every input at init_logit."""
-    from router import CountRouter, fit_whitening
+    from elastic_attention.router import CountRouter, fit_whitening
     g = torch.Generator().manual_seed(0)
     C, N = 6, 4000
     mix = torch.randn(C, C, generator=g, dtype=torch.float64)
@@ -679,11 +679,11 @@ def test_freeze_backbone_trains_only_routers_and_lambdas(restore_rng):
 
 
 # -----------------------------------------------------------------------------
-# 5. With the real model (elastic_attention.py)
+# 5. With the real model (elastic_attention/model.py)
 
 
 def test_frozen_tiny_transformer_trains_only_routers(restore_rng):
-    ea = pytest.importorskip("elastic_attention")
+    import elastic_attention as ea
     torch.manual_seed(0)
     cfg = ea.Config.shape("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=64,
                            sink=2, window=8, pool_tokens=4)
@@ -718,7 +718,7 @@ def test_ranked_routers_shift_one_shared_ranking_per_input(tmp_path, restore_rng
     """attach_routers(ranked=True): every layer's log α is its learned per-head logit plus one shift
     per input, read from layer 0's keys; the shift router and every layer's logits train, the
     backbone does not, the logits get their own optimizer group, and a checkpoint reloads them."""
-    ea = pytest.importorskip("elastic_attention")
+    import elastic_attention as ea
     torch.manual_seed(0)
     cfg = ea.Config.shape("tiny", n_layers=3, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=64,
                            sink=2, window=8, pool_tokens=4)
@@ -763,7 +763,7 @@ def test_ranked_routers_shift_one_shared_ranking_per_input(tmp_path, restore_rng
 def test_balanced_answer_loss_weighs_every_task_alike():
     """Per sample the mean cross-entropy of its answer tokens, per task the mean over its samples,
     then the mean over tasks; shards of a batch (given the whole batch's task counts) add up to it."""
-    from router import balanced_answer_loss
+    from elastic_attention.router import balanced_answer_loss
     g = torch.Generator().manual_seed(0)
     B, S, V = 6, 7, 11
     logits = torch.randn(B, S, V, generator=g)
@@ -779,7 +779,7 @@ def test_balanced_answer_loss_weighs_every_task_alike():
     assert abs(got.item() - want.item()) < 1e-5
     shards = sum(balanced_answer_loss(logits[r::2], targets[r::2], task_ids[r::2], counts) for r in range(2))
     assert abs(shards.item() - want.item()) < 1e-5
-    from tasks import scored_positions   # as training computes it: the logits at the answer positions alone
+    from elastic_attention.tasks import scored_positions   # as training computes it: the logits at the answer positions alone
     pos, answers = scored_positions(targets)
     at = balanced_answer_loss(logits[torch.arange(B)[:, None], pos], answers, task_ids, counts)
     assert abs(at.item() - want.item()) < 1e-5
@@ -790,7 +790,7 @@ def test_balanced_answer_loss_weighs_every_task_alike():
 def test_consistency_penalty_is_the_spread_of_each_task(L, B, Hkv, T, seed):
     """Per input Σ over layers and heads of (σ(log α) − its task's batch mean)², checked by a loop in
     float64; 0 when every input of a task routes alike, and the gradient pulls towards the task's mean."""
-    from router import consistency_penalty
+    from elastic_attention.router import consistency_penalty
     g = torch.Generator().manual_seed(seed)
     la = (3 * torch.randn(L, B, Hkv, generator=g)).requires_grad_()
     tid = torch.randint(0, T, (B,), generator=g)
@@ -815,7 +815,7 @@ def test_prepass_reads_only_the_prompts_boundaries(prompt_len, restore_rng):
     (each token once), run as one short sequence. So its shift equals that of the model run on
     exactly those tokens, does not move when the middle of the prompt or the answer changes, and
     trains; Ω_ESR counts the pre-pass's pairs as work done."""
-    ea = pytest.importorskip("elastic_attention")
+    import elastic_attention as ea
     torch.manual_seed(0)
     skip, P = 2, 4
     cfg = ea.Config.shape("tiny", n_layers=3, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=64, sink=2, window=8,

@@ -18,9 +18,9 @@ gguf = pytest.importorskip("gguf", reason="smollm2 needs the `gguf` package (pip
 tokenizers = pytest.importorskip("tokenizers", reason="smollm2 needs `tokenizers` (pip install -e '.[test]')")
 
 import elastic_attention  # noqa: E402
-import masks  # noqa: E402
-import smollm2  # noqa: E402
-import tasks  # noqa: E402
+from elastic_attention import masks  # noqa: E402
+from elastic_lab import smollm2  # noqa: E402
+from elastic_attention import tasks  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

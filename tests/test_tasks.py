@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import masks
-import tasks
+from elastic_attention import masks
+from elastic_attention import tasks
 EXPECTED_ANSWERS = {  # answer tokens per sample, per task
     "kv_recall": {tasks.N_QUERIES},
     "passkey": {tasks.PASSKEY_LEN},

@@ -12,10 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import kernels
-import masks
-import xattention
-from masks import BLOCK_SPARSE, FULL, STREAMING
+from elastic_attention import kernels
+from elastic_attention import masks
+from elastic_attention import xattention
+from elastic_attention.masks import BLOCK_SPARSE, FULL, STREAMING
 
 SETTINGS = settings(max_examples=25, deadline=None)
 SLOW = settings(max_examples=8, deadline=None)   # each example runs the Triton interpreter

@@ -38,8 +38,8 @@ bench.json (and bench_speedup.png) to --out.
 Shape letters: B batch, S sequence (or cache) length, Hq query heads, Hkv KV heads, G = Hq / Hkv,
 D head dim, f the share of STREAMING KV heads.
 
-    python bench.py                                     # every table
-    python bench.py --tables decode --cudagraph         # one table; decode timed as graph replays
+    python -m elastic_lab.bench                                     # every table
+    python -m elastic_lab.bench --tables decode --cudagraph         # one table; decode timed as graph replays
 
 Without CUDA it is a smoke test on the CPU (preset "tiny", S = 128, Triton's interpreter, eager
 Flex): every path runs once and is compared with ours; it prints no times, since an interpreter's
@@ -70,15 +70,15 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa:
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import decode  # noqa: E402
-import kernels  # noqa: E402
-import masks  # noqa: E402
-import router as router_lib  # noqa: E402
-import tasks  # noqa: E402
+from elastic_attention import decode  # noqa: E402
+from elastic_attention import kernels  # noqa: E402
+from elastic_attention import masks  # noqa: E402
+from elastic_attention import router as router_lib  # noqa: E402
+from elastic_attention import tasks  # noqa: E402
 import train_router  # noqa: E402
-import xattention  # noqa: E402
+from elastic_attention import xattention  # noqa: E402
 from elastic_attention import Config, Transformer  # noqa: E402
-from masks import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
+from elastic_attention.masks import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float16    # Triton's interpreter has no bf16

@@ -13,8 +13,8 @@ held-out condition of smollm2.CONDITIONS (unseen wordings, families, text, no in
 Both pooled as the routers pool (router.boundary_pool). The score is the per-input AUC on the test
 prompts (1.0: every robust prompt scores above every sensitive one; 0.5: chance).
 
-    python probe.py                       # CPU is fine: the pass reads ~100 tokens per prompt
-    python probe.py --per-task 32 --out runs/probe.json
+    python -m elastic_lab.probe                       # CPU is fine: the pass reads ~100 tokens per prompt
+    python -m elastic_lab.probe --per-task 32 --out runs/probe.json
 """
 import argparse
 import json
@@ -26,10 +26,10 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-import report  # noqa: E402
-import router as router_lib  # noqa: E402
-import smollm2  # noqa: E402
-import tasks  # noqa: E402
+from . import report  # noqa: E402
+from elastic_attention import router as router_lib  # noqa: E402
+from . import smollm2  # noqa: E402
+from elastic_attention import tasks  # noqa: E402
 
 
 @torch.no_grad()

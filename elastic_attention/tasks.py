@@ -31,7 +31,7 @@ from functools import partial
 
 import torch
 
-from masks import check_int
+from .masks import check_int
 
 # -----------------------------------------------------------------------------
 # Vocabulary. Disjoint ranges, so a key can never turn up by accident in the filler.

@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import masks
-from masks import check_lengths
+from . import masks
+from .masks import check_lengths
 
 # -----------------------------------------------------------------------------
 # 1. The hard-concrete gate (Louizos, Welling, Kingma 2018), as pure functions of log α.

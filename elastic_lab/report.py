@@ -2,8 +2,8 @@
 and the mean ± sd over seeds (`train_router.py --seeds`), closed by Elastic's margin over each head
 set paired by seed. Nothing here changes a number; it only reads results.json files.
 
-    python report.py runs/tiny-FA-SSA-seed0                    # table + plots of one run again
-    python report.py runs/tiny-FA-SSA/seed0 runs/tiny-FA-SSA/seed1 --out runs/tiny-FA-SSA   # aggregate
+    python -m elastic_lab.report runs/tiny-FA-SSA-seed0                    # table + plots of one run again
+    python -m elastic_lab.report runs/tiny-FA-SSA/seed0 runs/tiny-FA-SSA/seed1 --out runs/tiny-FA-SSA   # aggregate
 
 Scores: accuracy in % of answer tokens (synthetic tasks) or of exact answers (real-text tasks), or
 a next-token NLL in nats for tasks whose metric is "nll" (lower is better).

@@ -1,4 +1,4 @@
-"""elastic_attention.py — a small Llama-style model, written from scratch, whose attention heads are
+"""elastic_attention/model.py — a small Llama-style model, written from scratch, whose attention heads are
 each FULL or sparse per input (Elastic Attention, METHOD.md §2–§5, §7).
 
     embedding → L × [RMSNorm → attention (GQA, rotate-half RoPE, 1/√D) → residual
@@ -39,12 +39,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import decode
-import kernels
-import masks
-import xattention
-from masks import BLOCK_SPARSE, FULL, STREAMING
-import router as router_lib
+from . import decode
+from . import kernels
+from . import masks
+from . import xattention
+from .masks import BLOCK_SPARSE, FULL, STREAMING
+from . import router as router_lib
 
 # Head configurations: (mode of a retrieval head z = 1, mode of a sparse head z = 0).
 HEAD_CONFIGS = {

@@ -22,7 +22,7 @@ import os  # TRITON_INTERPRET=1 switches the kernels to Triton's CPU interpreter
 
 import torch
 
-from masks import (BLOCK_SPARSE, FULL, STREAMING, check_block_mask, check_modes, check_qkv,
+from .masks import (BLOCK_SPARSE, FULL, STREAMING, check_block_mask, check_modes, check_qkv,
                    check_sparse_params, hybrid_mask, naive_attention, streaming, values_checked)
 
 # The one place that asks whether Triton is installed: decode.py and xattention.py import triton

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from kernels import HAS_TRITON, check_backend, check_int32_reach, resolve_backend, tl, triton
-from masks import check_lengths, checking_values, num_blocks
+from .kernels import HAS_TRITON, check_backend, check_int32_reach, resolve_backend, tl, triton
+from .masks import check_lengths, checking_values, num_blocks
 
 # Padding. When S is not a multiple of the block size, q and k are zero-padded to nB·block_size
 # tokens (the kernel masks its loads instead, which is the same). A zero token adds exactly 0 to any

@@ -55,9 +55,9 @@ import math
 
 import torch
 
-from kernels import HAS_TRITON, check_backend, interpreting, resolve_backend, tl, triton, triton_unsupported
-import masks
-from masks import BLOCK_SPARSE, FULL, STREAMING, check_sparse_params, masked_attention
+from .kernels import HAS_TRITON, check_backend, interpreting, resolve_backend, tl, triton, triton_unsupported
+from . import masks
+from .masks import BLOCK_SPARSE, FULL, STREAMING, check_sparse_params, masked_attention
 
 # -----------------------------------------------------------------------------
 # The cache.

