@@ -1,8 +1,11 @@
 """Same weights → same logits as Hugging Face's LlamaForCausalLM / Qwen3ForCausalLM (float32 round-off).
 
-Skipped where `transformers` is not installed (it is not a dependency of this project); the
-GPU image used for the benchmarks has it, and the closing notes report the run there.
+`transformers` comes with the test extra (`pip install -e ".[test]"`); without it these tests skip.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -44,3 +47,12 @@ def test_logits_match_hugging_face(kind, extra):
         got, _ = ours(idx)
     err = (got - want).abs().max().item()
     assert err < 1e-4 * want.abs().max().item(), f"max |Δlogits| {err:.3e} (logits up to {want.abs().max():.2f})"
+
+
+def test_importing_transformers_from_the_repository_root_works():
+    """No module of ours shadows a PyPI package: transformers ≥ 5 imports Hugging Face's `kernels`,
+    which a root-level kernels.py used to hide."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import transformers; from transformers import LlamaForCausalLM; import elastic_attention"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -204,7 +204,7 @@ def test_quantized_gguf_dequantizes_exactly(tiny_file):
 
 def test_matches_transformers_gguf_loader(tiny_file):
     transformers = pytest.importorskip("transformers", reason="parity with transformers' GGUF loader needs "
-                                       "transformers (not a dependency of this project)")
+                                       "transformers (the test extra installs it)")
     pytest.importorskip("accelerate", reason="transformers loads GGUF files only with accelerate installed")
     path, _ = tiny_file
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
