@@ -169,7 +169,7 @@ def build_parser():
                         "keys (default of gpu and smollm2)")
     g.add_argument("--prepass-layers", type=int,
                    help="ranked routers: the count router reads the residual stream after this many layers of a "
-                        "pre-pass over the prompt's boundary tokens; 0 = layer 0's keys (default: smollm2 24, gpu 0)")
+                        "pre-pass over the prompt's boundary tokens; 0 = layer 0's keys (default: smollm2 5, gpu 0)")
     g.add_argument("--pool-tokens", type=int, help="prompt tokens the routers read at each end (default: the model's; "
                                                   "tiny, gpu 16, smollm2 32)")
     g.add_argument("--rank-lr", type=float,
@@ -1365,4 +1365,6 @@ def write_report(run, t_start, summary):
 
 
 if __name__ == "__main__":
+    for stream in (sys.stdout, sys.stderr):   # a non-UTF-8 locale prints Ω as \u03a9, not a traceback
+        stream.reconfigure(errors="backslashreplace")
     main()

@@ -50,6 +50,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -696,6 +697,8 @@ def main(args):
 
 
 if __name__ == "__main__":
+    for stream in (sys.stdout, sys.stderr):   # a non-UTF-8 locale prints Ω as \u03a9, not a traceback
+        stream.reconfigure(errors="backslashreplace")
     def numbers(kind):  # "8192,32768" → [8192, 32768]; argparse names the type in its error
         def parse(text):
             return [kind(x) for x in text.split(",")]

@@ -147,4 +147,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    for stream in (sys.stdout, sys.stderr):   # a non-UTF-8 locale prints Ω as \u03a9, not a traceback
+        stream.reconfigure(errors="backslashreplace")
     main()

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 
 if __name__ == "__main__":  # as a command: OpenMP threads that sleep when idle (read as torch loads)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -226,7 +227,8 @@ def plots(summary, out_dir):
     targets = dict(zip(("sensitive", "robust"), summary["settings"]["targets"]))
     targets["sensitive"] = summary.get("calibration", {}).get("sensitive_target", targets["sensitive"])  # resolves 'auto'
     c = dict(res=summary["results"], tasks=list(summary["tasks"]), cats=summary["tasks"], metrics=summary["metrics"],
-             targets=targets, title=f"{summary['preset']} {summary['settings']['config']['head_config']}, "
+             targets=targets, title=f"{'smoke' if summary.get('smoke') else summary['preset']} "
+                                    f"{summary['settings']['config']['head_config']}, "
                                     f"seed {summary['seed']}")
     for figure in (_routing_heatmap, _omega_per_task, _progressive, _omega_per_input, _training):
         figure(plt, summary, c, out_dir)
@@ -277,29 +279,36 @@ def _progressive(plt, summary, c, out_dir):
     """Accuracy against Ω_MSR (paper Fig. 2 / Table 5), one panel per task: the static frontiers
     (one head set for every input, by three rankings) as curves, Elastic and the per-category
     oracle as points at their Ω for that task, and Elastic again (hollow) at its mean Ω over the
-    evaluation mix: the cost a fixed set is compared at, so that is where it should beat the curves."""
+    evaluation mix: the cost a fixed set is compared at, so that is where it should beat the curves.
+    Accuracy panels share one 0-100 axis, so a drop looks its true size; NLL panels say "zoomed"."""
     res, tasks, cats, metrics, targets, title = (c[k] for k in ("res", "tasks", "cats", "metrics", "targets", "title"))
     curves = summary["progressive"][str(summary["experiment"]["seq_len"])]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(3.3 * len(tasks), 3.4), squeeze=False, constrained_layout=True)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.3 * len(tasks), 3.9), squeeze=False, constrained_layout=True)
+    styles = (("o", "-"), ("s", "--"), ("^", ":"))   # frontiers that coincide stay readable
     for ax, t in zip(axes[0], tasks):
+        scale = 1 if metrics[t] == "nll" else 100
         for j, (name, curve) in enumerate(curves.items()):
-            xs = [float(k) for k in curve]
-            scale = 1 if metrics[t] == "nll" else 100
-            ax.plot(xs, [scale * curve[k][t] for k in curve], color=f"C{j}", marker="o", ms=3, lw=1.2,
-                    label=f"static by {RANKINGS.get(name, name)}")
-        for key, marker, label in (("elastic", "*", "Elastic"), ("oracle", "D", "oracle per category")):
-            if key in res:
-                ax.plot(res[key][t]["omega_msr"], scale * res[key][t]["score"], marker=marker, ms=12 if marker == "*" else 7,
-                        color="k" if key == "elastic" else "C3", ls="none", label=label)
+            marker, ls = styles[j % len(styles)]
+            ax.plot([float(k) for k in curve], [scale * curve[k][t] for k in curve], color=f"C{j}", marker=marker,
+                    ms=4, ls=ls, lw=1.4, alpha=0.8, label=f"static by {RANKINGS.get(name, name)}")
+        if "oracle" in res:   # hollow, drawn first: Elastic's star shows through it
+            ax.plot(res["oracle"][t]["omega_msr"], scale * res["oracle"][t]["score"], marker="D", ms=11, mfc="none",
+                    mew=1.5, color="C3", ls="none", label="oracle per category")
         if "elastic" in res:
             mean = sum(res["elastic"][u]["omega_msr"] for u in tasks) / len(tasks)
-            ax.plot(mean, scale * res["elastic"][t]["score"], marker="*", ms=12, mfc="none", color="k", ls="none",
-                    label="Elastic at its mean Ω")
-        ax.set_title(f"{t} ({cats[t]})", fontsize=9)
+            ax.plot(mean, scale * res["elastic"][t]["score"], marker="o", ms=11, mfc="none", mew=1.5, color="k",
+                    ls="none", label="Elastic at its mean Ω")
+            ax.plot(res["elastic"][t]["omega_msr"], scale * res["elastic"][t]["score"], marker="*", ms=10,
+                    color="k", ls="none", label="Elastic")
+        nll = metrics[t] == "nll"
+        ax.set_title(f"{t} ({cats[t]})" + (", y zoomed" if nll else ""), fontsize=9)
         ax.set_xlabel("Ω_MSR (fraction of KV heads sparse)")
-        ax.set_ylabel("NLL (nats), lower is better" if metrics[t] == "nll" else "accuracy %")
+        ax.set_ylabel("NLL (nats), lower is better" if nll else "accuracy %")
         ax.set_xlim(-0.03, 1.03)
-    axes[0][0].legend(fontsize=7, loc="lower left")
+        if not nll:
+            ax.set_ylim(-2, 102)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8, frameon=False)
     fig.suptitle(f"Accuracy vs sparsity — {title}", fontsize=10)
     savefig(fig, os.path.join(out_dir, "progressive.png"))
 
@@ -387,22 +396,48 @@ def aggregate(run_dirs, out_dir):
     print(f"mean ± sd over {len(runs)} seeds in {out_dir}/results.json and table.txt")
 
 
+def read_run(d):
+    """results.json of one train_router.py run folder, or SystemExit with one line saying why not."""
+    try:
+        with open(os.path.join(d, "results.json"), encoding="utf-8") as f:
+            s = json.load(f)
+    except (OSError, ValueError) as e:
+        reason = "no results.json there" if isinstance(e, FileNotFoundError) else f"its results.json: {e}"
+        raise SystemExit(f"error: {d!r} is not a finished train_router.py run folder ({reason})")
+    if isinstance(s, dict) and "methods" in s and "runs" in s:
+        raise SystemExit(f"error: {d!r} holds the aggregate of {len(s['runs'])} runs, not one run: "
+                         f"pass the run folders themselves")
+    if not isinstance(s, dict) or not {"settings", "results", "seed"} <= s.keys():
+        raise SystemExit(f"error: {d!r}: its results.json is not a train_router.py run's "
+                         f"(no settings, results and seed)")
+    return s
+
+
+def is_run_folder(d):
+    try:
+        with open(os.path.join(d, "results.json"), encoding="utf-8") as f:
+            return "settings" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 if __name__ == "__main__":
+    for stream in (sys.stdout, sys.stderr):   # a non-UTF-8 locale prints Ω as \u03a9, not a traceback
+        stream.reconfigure(errors="backslashreplace")
     parser = argparse.ArgumentParser(description="Table and plots of train_router.py runs.", allow_abbrev=False)
     parser.add_argument("runs", nargs="+", help="run folders holding results.json")
     parser.add_argument("--out", help="with several runs: where the aggregate goes (default: the first's parent)")
     a = parser.parse_args()
-    for d in a.runs:  # a wrong folder is one line, not a traceback from deep inside the plots
-        try:
-            with open(os.path.join(d, "results.json")) as f:
-                json.load(f)
-        except (OSError, ValueError) as e:
-            reason = "no results.json there" if isinstance(e, FileNotFoundError) else f"its results.json: {e}"
-            raise SystemExit(f"error: {d!r} is not a finished train_router.py run folder ({reason})")
+    runs = [read_run(d) for d in a.runs]  # a wrong folder is one line, not a traceback from the plots
     if len(a.runs) == 1:
-        with open(os.path.join(a.runs[0], "results.json")) as f:
-            s = json.load(f)
-        plots(s, a.runs[0])
-        print_table(s)
+        plots(runs[0], a.runs[0])
+        print_table(runs[0])
     else:
-        aggregate(a.runs, a.out or os.path.dirname(os.path.abspath(a.runs[0])))
+        out = a.out or os.path.dirname(os.path.abspath(a.runs[0]))
+        if is_run_folder(out):  # the aggregate's results.json would replace the run's
+            raise SystemExit(f"error: --out {out!r} is a run folder; its results.json would be replaced: "
+                             f"choose another folder")
+        try:
+            aggregate(a.runs, out)
+        except OSError as e:
+            raise SystemExit(f"error: cannot write the aggregate into {out!r}: {e.strerror or e}")

@@ -1425,6 +1425,8 @@ def route_prompt(model, tokenizer, text, max_new_tokens=48):
 
 
 if __name__ == "__main__":
+    for stream in (sys.stdout, sys.stderr):   # a non-UTF-8 locale prints Ω as \u03a9, not a traceback
+        stream.reconfigure(errors="backslashreplace")
     # python -m elastic_lab.smollm2 [question]: fetch and verify the model, then answer with every head FULL;
     # with --routers run/router.pt, the trained routers decide each head's mode from the prompt first.
     import argparse

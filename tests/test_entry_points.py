@@ -10,7 +10,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENTRY_POINTS = ("train_router.py", "elastic_lab/smollm2.py", "elastic_lab/bench.py", "elastic_lab/report.py")
 
 
 def run(*args, env=None, timeout=120):
@@ -31,24 +30,46 @@ def one_line_error(proc, *words):
     return last
 
 
+# Each entry point as a module to run, and a flag prefix that argparse would otherwise expand.
+ENTRY_POINTS = {"train_router": "--step", "elastic_lab.smollm2": "--rout", "elastic_lab.bench": "--seq",
+                "elastic_lab.report": "--ou"}
+# Reports the wait policy at the moment torch is first imported, then runs the entry point's --help.
+WATCH_TORCH = """import os, runpy, sys
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print("policy at torch import:", os.environ.get("OMP_WAIT_POLICY"), flush=True)
+            sys.meta_path.remove(self)
+sys.meta_path.insert(0, Watch())
+sys.argv = [sys.argv[1], "--help"]
+runpy.run_module(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_entry_points_set_a_passive_wait_policy_before_torch_loads(name):
     """OpenMP reads OMP_WAIT_POLICY once, when torch loads its runtime: the default must be set
-    above the first torch import, and only as a default (a user's own setting wins)."""
-    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    first_torch = next(i for i, line in enumerate(lines) if re.match(r"\s*(import torch|from torch)", line))
-    policy = [i for i, line in enumerate(lines) if 'os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")' in line]
-    assert policy and policy[0] < first_torch, f"{name}: no OMP_WAIT_POLICY default above line {first_torch + 1}"
+    before the first torch import, and only as a default (a user's own setting wins)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        proc = subprocess.run([sys.executable, "-c", WATCH_TORCH, name], cwd=ROOT, capture_output=True, text=True,
+                              env=env if given is None else dict(env, OMP_WAIT_POLICY=given), timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.splitlines()[0] == f"policy at torch import: {want}", proc.stdout[:500]
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_abbreviated_flags_are_refused(name):
     """argparse's prefix matching would take `--step 10` as `--steps 10`, or `--seq 8` as `--seq-lens`."""
-    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
-        src = f.read()
-    constructors = re.findall(r"ArgumentParser\((.*?)\)\s*(?:#.*)?\n", src, re.S)
-    assert constructors and all("allow_abbrev=False" in c for c in constructors), name
+    one_line_error(run("-m", name, ENTRY_POINTS[name], "8"), "unrecognized arguments", ENTRY_POINTS[name])
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_entry_points_print_in_a_locale_without_utf8(name):
+    """Ω and — in a Latin-1 terminal come out escaped, not as a UnicodeEncodeError."""
+    proc = subprocess.run([sys.executable, "-m", name, "--help"], cwd=ROOT, capture_output=True, timeout=120,
+                          env=dict(os.environ, PYTHONIOENCODING="latin-1"), encoding="latin-1")
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_train_router_refuses_a_misspelt_flag_before_making_a_folder(tmp_path):
@@ -73,6 +94,32 @@ def test_report_of_a_folder_without_a_run_is_one_line(tmp_path):
     one_line_error(run("-m", "elastic_lab.report", str(tmp_path / "nope")), "no results.json")
     (tmp_path / "results.json").write_text("{")
     one_line_error(run("-m", "elastic_lab.report", str(tmp_path)), "results.json")
+
+
+def test_report_refuses_what_is_not_one_run_in_one_line(tmp_path):
+    """A results.json of the wrong shape, or a --seeds aggregate, is named as such: no KeyError."""
+    for name, content in (("empty", {}), ("list", []), ("null", None),
+                          ("aggregate", {"runs": ["a", "b"], "methods": {}, "seeds": [0, 1]})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(content))
+    for name in ("empty", "list", "null"):
+        one_line_error(run("-m", "elastic_lab.report", str(tmp_path / name)), "not a train_router.py run's")
+    one_line_error(run("-m", "elastic_lab.report", str(tmp_path / "aggregate")), "aggregate of 2 runs")
+
+
+def test_report_never_writes_its_aggregate_into_a_run_folder(tmp_path):
+    """`--out A` with A a run folder would replace A's results.json by the aggregate: refused, A kept.
+    An --out that cannot be written is one line too."""
+    for seed in (0, 1):
+        (tmp_path / f"s{seed}").mkdir()
+        (tmp_path / f"s{seed}" / "results.json").write_text(
+            json.dumps(dict(seed=seed, settings={}, results={}, hardware={})))
+    before = (tmp_path / "s0" / "results.json").read_text()
+    runs = (str(tmp_path / "s0"), str(tmp_path / "s1"))
+    one_line_error(run("-m", "elastic_lab.report", *runs, "--out", str(tmp_path / "s0")), "is a run folder")
+    assert (tmp_path / "s0" / "results.json").read_text() == before
+    (tmp_path / "a_file").write_text("")
+    one_line_error(run("-m", "elastic_lab.report", *runs, "--out", str(tmp_path / "a_file")), "cannot write")
 
 
 @pytest.fixture
