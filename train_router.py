@@ -50,6 +50,11 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
+try:
+    import fcntl   # the run folder's lock; Windows has none, and runs unlocked
+except ImportError:
+    fcntl = None
+
 # Deterministic cuBLAS needs this before CUDA starts; harmless on a CPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # OpenMP threads that sleep between parallel regions instead of spinning: the same numbers, and a
@@ -196,6 +201,7 @@ def build_parser():
     g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
     g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 5)")
     g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
+    g.add_argument("--overwrite", action="store_true", help="replace another run's files in --out")
     g = p.add_argument_group("machine")
     g.add_argument("--device", help="cpu, cuda or cuda:N (tiny: cpu; gpu, smollm2: cuda)")
     g.add_argument("--backend", choices=list(elastic_attention.BACKENDS),
@@ -444,7 +450,13 @@ def init_distributed(P):
     return rank, world
 
 
-def make_out_dir(args):
+RUN_FILES = ("results.json", "model.pt", "router.pt", "static.pt", "backbone.pt")
+
+
+def make_out_dir(args, rank):
+    """(run name, output folder, lock). The folder belongs to one run: files of another run there are
+    refused, unless --resume continues that run or --overwrite replaces it, and a lock held while this
+    run lives keeps a second run out (the OS drops it if the process dies, kill -9 included)."""
     run_name = f"{'smoke' if args.smoke else args.preset}-{args.config}-seed{args.seed}"
     out_dir = args.out or os.path.join("runs", run_name)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -453,7 +465,24 @@ def make_out_dir(args):
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         fail(f"cannot create the output folder {out_dir!r}: {e.strerror}")
-    return run_name, out_dir
+    if rank:
+        return run_name, out_dir, None
+    lock = open(os.path.join(out_dir, ".lock"), "w")
+    if fcntl is not None:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fail(f"another run is writing into {out_dir!r}: wait for it, or choose another --out")
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
+    resuming = args.resume and os.path.dirname(os.path.abspath(args.resume)) == os.path.abspath(out_dir)
+    if found and not resuming:
+        if not args.overwrite:
+            fail(f"--out {out_dir!r} holds another run's {', '.join(found)}, which this run would replace: "
+                 f"continue that run with --resume {os.path.join(out_dir, 'router.pt')}, replace it with "
+                 f"--overwrite, or choose another --out")
+        for f in found:   # no mix of the old run's files and the new one's
+            os.remove(os.path.join(out_dir, f))
+    return run_name, out_dir, lock
 
 
 def load_suite(P, args, rank, world):
@@ -1250,7 +1279,7 @@ def main(argv=None):
         return run_seeds(args, argv)
     P, (t_sens, t_rob) = settings_from(args)
     rank, world = init_distributed(P)
-    run_name, out_dir = make_out_dir(args)
+    run_name, out_dir, lock = make_out_dir(args, rank)  # noqa: F841 (held while the run lives)
     torch.manual_seed(args.seed)  # router init; data and gate noise have seeds of their own
     torch.use_deterministic_algorithms(True, warn_only=True)  # where torch has them (the README says which not)
     device = torch.device(P["device"])

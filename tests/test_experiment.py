@@ -13,6 +13,11 @@ import torch
 import elastic_attention
 from elastic_lab import report
 from elastic_attention import tasks
+
+try:
+    import fcntl
+except ImportError:
+    fcntl = None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--backbone-steps", "2", "--steps", "3", "--eval-per-task", "4", "--batch-size", "5", "--curve-points", "3"]
 
@@ -203,6 +208,28 @@ def test_bad_arguments_fail_before_training(args, message, tmp_path):
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(fcntl is None, reason="no fcntl: runs are not locked on this platform")
+def test_a_run_folder_belongs_to_one_run(quick_run, tmp_path):
+    """Another run's files in --out are refused by name and kept; a folder a live run holds is
+    refused; --overwrite replaces the old run whole (none of its files left beside the new ones)."""
+    for name in ("results.json", "router.pt", "static.pt"):
+        (tmp_path / name).write_text("old")
+    out, _ = quick_run
+    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--no-static", "--out", str(tmp_path)]
+    proc = run_script(*args, timeout=120)
+    assert proc.returncode != 0 and "holds another run's results.json, router.pt, static.pt" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert (tmp_path / "results.json").read_text() == "old"
+    with open(tmp_path / ".lock", "w") as held:   # as a run still writing there holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = run_script(*args, "--overwrite", timeout=120)
+    assert proc.returncode != 0 and "another run is writing into" in proc.stderr, proc.stderr[-2000:]
+    proc = run_script(*args, "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "results.json").read_text())["seed"] == 0
+    assert not (tmp_path / "static.pt").exists()   # --no-static: the old run's static gates are gone
 
 
 @pytest.mark.parametrize("argv, deploy", [([], "threshold"), (["--deploy", "count"], "count"),
