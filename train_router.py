@@ -426,12 +426,21 @@ def run_seeds(args, argv):
         if not skip and a.split("=")[0] not in ("--seeds", "--seed", "--out"):
             passed.append(a)
         skip = not skip and a in ("--seeds", "--seed", "--out")
-    for seed in seeds:
+    for i, seed in enumerate(seeds):
         print(f"=== seed {seed} ===", flush=True)
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *passed, "--seed", str(seed),
-                               "--out", os.path.join(base, f"seed{seed}")])
-        if proc.returncode:
-            fail(f"the run with seed {seed} failed (exit {proc.returncode})")
+        out = os.path.join(base, f"seed{seed}")
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *passed, "--seed", str(seed), "--out", out])
+        # Ctrl-C reaches the child from the terminal; a SIGTERM to this process is passed on. The
+        # child saves and says how it stopped; this process waits for it, then says what is left.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+        if proc.wait():
+            router = os.path.join(out, "router.pt")
+            fail(f"the run with seed {seed} stopped (exit {proc.returncode}); "
+                 + (f"seeds {seeds[:i]} are done; " if i else "")
+                 + (f"continue it with --seed {seed} --out {out} --resume {router}, " if os.path.exists(router) else
+                    f"rerun it with --seed {seed} --out {out}, ")
+                 + f"then the seeds left, then python -m elastic_lab.report on the seed folders")
     from elastic_lab import report
     report.aggregate([os.path.join(base, f"seed{s}") for s in seeds], base)
 
@@ -854,15 +863,15 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
             # atomic: Ctrl-C (or kill -9) mid-save keeps the previous checkpoint
             elastic_attention.write_atomic(path, lambda f: torch.save(ckpt, f))
 
-    interrupted = []  # Ctrl-C sets a flag; the step in flight finishes, then the run saves and exits
+    interrupted = []  # Ctrl-C or SIGTERM sets a flag; the step in flight finishes, then the run saves and exits
 
-    def on_ctrl_c(signum, frame):
-        if interrupted:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
+    def on_stop(signum, frame):
+        if interrupted:  # a second signal stops at once, from the last save
+            stopped(run.out_dir)(signum, frame)
         interrupted.append(True)
 
     sens = run.suite.sensitive_mask(run.device)
-    signal.signal(signal.SIGINT, on_ctrl_c)
+    outside = [signal.signal(sig, on_stop) for sig in (signal.SIGINT, signal.SIGTERM)]
     run.log(f"{'static gates' if static else 'routers'}: step | loss | lm | reg | Ω_MSR sens/rob | λ1 sens/rob | "
             "gate draws passing gradient | lr | ms")
     bar = tqdm(range(start, steps), desc="static gates" if static else "routers", mininterval=2,
@@ -885,10 +894,21 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
         if step % 50 == 49:
             save()
         stop_if_interrupted(run, interrupted, save, static, path, len(train_log))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig, handler in zip((signal.SIGINT, signal.SIGTERM), outside):
+        signal.signal(sig, handler)
     save()
     model.eval()
     return train_log, params
+
+
+def stopped(out_dir):
+    """The handler of Ctrl-C and SIGTERM outside the training loops (which save first): one line
+    naming what continues the run."""
+    def handler(signum, frame):
+        path = os.path.join(out_dir, "router.pt")
+        fail(f"interrupted ({signal.Signals(signum).name}): " + (f"continue with --resume {path}" if os.path.exists(path)
+                                                                else "nothing saved yet; run the command again"))
+    return handler
 
 
 STEP_INPUTS = ("tokens", "lengths", "prompt_lengths", "answer_pos", "answers", "task_ids", "task_counts", "n_answer")
@@ -1280,6 +1300,8 @@ def main(argv=None):
     P, (t_sens, t_rob) = settings_from(args)
     rank, world = init_distributed(P)
     run_name, out_dir, lock = make_out_dir(args, rank)  # noqa: F841 (held while the run lives)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stopped(out_dir))
     torch.manual_seed(args.seed)  # router init; data and gate noise have seeds of their own
     torch.use_deterministic_algorithms(True, warn_only=True)  # where torch has them (the README says which not)
     device = torch.device(P["device"])

@@ -111,21 +111,34 @@ def test_resume_continues_from_the_router_checkpoint(quick_run, tmp_path):
     assert [r["lr"] for r in log[3:]] == pytest.approx([peak * 0.5 * (1 + math.cos(math.pi * p)) for p in (0.5, 0.75)])
 
 
-def ctrl_c(args, header=1):
-    """Run the script and press Ctrl-C as the `header`-th training loop starts (its signal handler
-    is in place once the loop prints its header). Returns everything the run printed."""
+def ctrl_c(args, header=1, sig=signal.SIGINT, at="step | loss", said="interrupted after"):
+    """Run the script and press Ctrl-C (or send `sig`) as the `header`-th training loop starts (its
+    signal handler is in place once the loop prints its header), or as the `header`-th line holding
+    `at` is printed. Returns everything the run printed, which must hold `said` and no traceback."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_router.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
-        header -= "step | loss" in line  # the header of a training loop (routers: or static gates:)
+        header -= at in line  # e.g. the header of a training loop (routers: or static gates:)
         if not header:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     rest, _ = proc.communicate(timeout=300)
-    assert proc.returncode != 0 and "interrupted after" in rest, rest[-2000:]
+    assert proc.returncode != 0 and said in rest and "Traceback" not in rest, rest[-2000:]
     return rest
+
+
+def test_sigterm_saves_as_ctrl_c_does_and_says_so_at_any_stage(quick_run, tmp_path):
+    """A scheduler's SIGTERM in training saves router.pt and names the --resume that continues it;
+    before training (the backbone just loaded) it says there is nothing to continue from."""
+    out, _ = quick_run
+    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--steps", "100000", "--no-static"]
+    said = ctrl_c([*args, "--out", str(tmp_path / "term")], sig=signal.SIGTERM)
+    assert f"continue with --resume {tmp_path / 'term' / 'router.pt'}" in said, said[-2000:]
+    assert torch.load(tmp_path / "term" / "router.pt", weights_only=True)["step"] >= 1
+    ctrl_c([*args, "--out", str(tmp_path / "early")], sig=signal.SIGTERM, at="backbone:",
+           said="interrupted (SIGTERM): nothing saved yet")
 
 
 def test_ctrl_c_then_resume_equals_the_uninterrupted_run(quick_run, tmp_path):
