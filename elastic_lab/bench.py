@@ -78,7 +78,7 @@ from elastic_attention import router as router_lib  # noqa: E402
 from elastic_attention import tasks  # noqa: E402
 import train_router  # noqa: E402
 from elastic_attention import xattention  # noqa: E402
-from elastic_attention import Config, Transformer  # noqa: E402
+from elastic_attention import Config, Transformer, write_atomic  # noqa: E402
 from elastic_attention.masks import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -660,7 +660,7 @@ def plot(rows, path):
     axes[0][0].set_ylabel("speedup over SDPA dense")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 def main(args):
@@ -689,8 +689,8 @@ def main(args):
         else:
             env, results[name] = decode_table(args)
             results["env"].update(env)
-        with open(os.path.join(args.out, "bench.json"), "w") as f:   # after each table: partial runs survive
-            json.dump(results, f, indent=1)
+        # after each table, atomically: partial runs survive, and a kill mid-write keeps the last table's
+        write_atomic(os.path.join(args.out, "bench.json"), lambda f: f.write(json.dumps(results, indent=1).encode()))
     if CUDA and "forward" in results:
         plot(results["forward"], os.path.join(args.out, "bench_speedup.png"))
     print(f"\nall numbers in {os.path.join(args.out, 'bench.json')}")

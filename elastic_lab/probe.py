@@ -27,6 +27,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from . import report  # noqa: E402
+import elastic_attention  # noqa: E402
 from elastic_attention import router as router_lib  # noqa: E402
 from . import smollm2  # noqa: E402
 from elastic_attention import tasks  # noqa: E402
@@ -141,9 +142,9 @@ def main(argv=None):
     print(f"best pre-pass depth for the count router (last-token residual, mean AUC over {', '.join(held_out)}): "
           f"{best} layers, {mean[best]:.3f}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(per_task=args.per_task, seq_len=args.seq_len, pool_tokens=args.pool_tokens, seed=args.seed,
-                           dev=args.dev, auc=table), f, indent=1)
+        summary = dict(per_task=args.per_task, seq_len=args.seq_len, pool_tokens=args.pool_tokens, seed=args.seed,
+                       dev=args.dev, auc=table)
+        elastic_attention.write_atomic(args.out, lambda f: f.write(json.dumps(summary, indent=1).encode()))
 
 
 if __name__ == "__main__":
