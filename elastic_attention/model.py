@@ -121,6 +121,12 @@ class Config:
         if self.deploy not in DEPLOYS:
             raise ValueError(f"deploy must be one of {DEPLOYS}, got {self.deploy!r}")
         kernels.check_backend(self.backend)
+        llama3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if self.rope_scaling is not None and not (
+                isinstance(self.rope_scaling, dict) and self.rope_scaling.get("rope_type") == "llama3"
+                and all(isinstance(self.rope_scaling.get(k), (int, float)) for k in llama3)):
+            raise ValueError(f"rope_scaling must be None or Llama 3.1's (rope_type 'llama3' with numbers "
+                             f"{', '.join(llama3)}), got {self.rope_scaling!r}")
 
     @classmethod
     def shape(cls, name, **overrides):
@@ -897,6 +903,9 @@ def load_checkpoint(path, cfg=None, map_location="cpu"):
     without routers, ROUTER_FIELDS; a ValueError names each other difference, saved vs wanted.
     """
     ckpt = read_checkpoint(path, map_location)
+    if not isinstance(ckpt["config"], dict) or not isinstance(ckpt["model"], dict):
+        raise ValueError(f"checkpoint {path!r}: config and model must be dicts, got "
+                         f"{type(ckpt['config']).__name__} and {type(ckpt['model']).__name__}")
     unknown = sorted(set(ckpt["config"]) - {f.name for f in fields(Config)})
     if unknown:
         raise ValueError(f"checkpoint {path!r} has unknown config fields {unknown} (written by other code?)")
@@ -909,11 +918,22 @@ def load_checkpoint(path, cfg=None, map_location="cpu"):
         if diff:
             raise ValueError(f"checkpoint {path!r} was made with a different config: " + "; ".join(diff))
         saved = cfg
-    model = Transformer(saved)
-    if has_routers:
-        ranked = any(k.startswith("shift_router.") for k in ckpt["model"])
-        model.attach_routers(static=not ranked and any(k.endswith(".router.log_alpha") for k in ckpt["model"]),
-                             ranked=ranked)
+
+    def build():
+        model = Transformer(saved)
+        if has_routers:
+            ranked = any(k.startswith("shift_router.") for k in ckpt["model"])
+            model.attach_routers(static=not ranked and any(k.endswith(".router.log_alpha") for k in ckpt["model"]),
+                                 ranked=ranked)
+        return model
+
+    with torch.device("meta"):   # shapes first, allocating nothing: a config its weights do not fit stops here
+        want = {k: v.shape for k, v in build().state_dict().items()}
+    bad = [f"{k} {tuple(v.shape)}, config {tuple(want[k])}" for k, v in ckpt["model"].items()
+           if k in want and (not isinstance(v, torch.Tensor) or v.shape != want[k])]
+    if bad:
+        raise ValueError(f"checkpoint {path!r}: the weights do not fit the saved config: {'; '.join(bad[:3])}")
+    model = build()
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:   # its weights do not fit its own config: written by other code

@@ -1378,7 +1378,11 @@ def read_routers(path, n_layers=30, head_dim=64, n_kv_heads=3, dim=576):
     ckpt = elastic_attention.read_checkpoint(path, keys=("settings", "routers"))
     if ckpt.get("static"):
         raise ValueError(f"{path!r} holds trained static gates (static.pt), not routers: give the run's router.pt")
-    saved = ckpt["settings"].get("config", {}) if isinstance(ckpt["settings"], dict) else {}
+    if not (isinstance(ckpt["settings"], dict) and isinstance(ckpt["settings"].get("config"), dict)
+            and isinstance(ckpt["routers"], list)):
+        raise ValueError(f"{path!r} is not a train_router.py router.pt: its settings hold no config dict, "
+                         f"or its routers are not a list")
+    saved = ckpt["settings"]["config"]
     mult = saved.get("router_hidden_mult", 4)
     with torch.device("meta"):  # the shapes a router of this model has, without making one (attach_routers)
         count = router_lib.CountRouter(dim) if saved.get("prepass_layers") else router_lib.AttentionRouter(head_dim, mult)
@@ -1502,12 +1506,15 @@ if __name__ == "__main__":
     except (ValueError, OSError, RuntimeError) as e:
         fail(e)
     say(f"loading {path} (Q4_1 → float32, 135M parameters) ...")
-    model, tok = from_gguf(path, **{k: saved[k] for k in ("head_config", "sink", "window", "pool_tokens",
-                                                          "router_hidden_mult", "deploy", "prepass_layers")
-                                     if k in saved})
-    model.to(device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-    if ckpt:
-        load_routers(model, ckpt)
+    try:   # the routers' saved settings (sink, window, ...) configure the model: a bad one is refused here
+        model, tok = from_gguf(path, **{k: saved[k] for k in ("head_config", "sink", "window", "pool_tokens",
+                                                              "router_hidden_mult", "deploy", "prepass_layers")
+                                         if k in saved})
+        model.to(device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+        if ckpt:
+            load_routers(model, ckpt)
+    except (ValueError, TypeError, RuntimeError) as e:
+        fail(f"--routers {args.routers!r}: {e}" if ckpt else e)
     say(f"{'routing and answering' if ckpt else 'answering'} on {args.device} "
         f"(up to {args.max_new_tokens} new tokens; {time.time() - t0:.0f} s so far) ...")
     try:

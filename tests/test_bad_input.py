@@ -134,6 +134,21 @@ def test_config_fields_this_code_does_not_know(tmp_path):
     with pytest.raises(ValueError, match=r"unknown config fields \['flash_mode'\]"):
         elastic_attention.load_checkpoint(path)
 
+@pytest.mark.parametrize("change, match", [
+    (lambda c: dict(c, config=[]), "config and model must be dicts, got list"),
+    (lambda c: dict(c, config=dict(c["config"], vocab_size=2**40)), r"do not fit the saved config: .*1099511627776"),
+    (lambda c: dict(c, config=dict(c["config"], rope_scaling={"rope_type": "evil"})), "rope_scaling must be None"),
+    (lambda c: dict(c, config=dict(c["config"], deploy="bogus")), "deploy must be one of"),
+])
+def test_crafted_config_fields_are_refused_before_any_allocation(tmp_path, change, match):
+    """A checkpoint's config is read, not trusted: a vocab of 2**40 (a 562 TB embedding) is caught
+    on the meta device, where shapes cost nothing."""
+    path, model = saved(tmp_path, tiny())
+    torch.save(change(torch.load(path, weights_only=True)), path)
+    with pytest.raises(ValueError, match=match):
+        elastic_attention.load_checkpoint(path)
+
+
 # -----------------------------------------------------------------------------
 # Hugging Face configs: refuse what the model does not implement, naming the field.
 

@@ -159,6 +159,11 @@ def test_smollm2_refuses_routers_of_another_model_before_the_download(tmp_path, 
                     routers=[r.state_dict() for r in model.routers]), path)
     one_line_error(run("-m", "elastic_lab.smollm2", "--routers", str(path), env=empty_cache), str(path))
     one_line_error(run("-m", "elastic_lab.smollm2", "--routers", str(tmp_path / "none.pt"), env=empty_cache), "none.pt")
+    for name, crafted in (("nosettings", dict(settings={}, routers=[])), ("norouters", dict(settings=dict(config={}),
+                                                                                            routers=None))):
+        torch.save(crafted, tmp_path / f"{name}.pt")
+        one_line_error(run("-m", "elastic_lab.smollm2", "--routers", str(tmp_path / f"{name}.pt"), env=empty_cache),
+                       "is not a train_router.py router.pt")
 
 
 def test_smollm2_help_explains_every_option():
