@@ -243,7 +243,7 @@ def _routing_heatmap(plt, summary, c, out_dir):
     fig, axes = plt.subplots(1, len(tasks), figsize=(1.2 + (0.9 + 0.35 * H) * len(tasks), 1.6 + 0.16 * L),
                              sharey=True, squeeze=False, constrained_layout=True)
     for ax, t, f in zip(axes[0], tasks, frac):
-        im = ax.imshow(f, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        im = ax.imshow(f.numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_title(f"{t}\n({cats[t]})", fontsize=9)
         ax.set_xticks(range(H))
         ax.set_xlabel("KV head")
