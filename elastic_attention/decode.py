@@ -178,6 +178,8 @@ class FullKVCache:
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
         self.sink, self.window, self.max_len, self.head_dim = sink, window, max_len, head_dim
+        for m in modes:
+            masks.check_modes(m, *modes[0].shape, block_mask_given=True)
         self.B, self.n_kv_heads = modes[0].shape
         # At decode a BLOCK_SPARSE head sees its whole cache, like a FULL one (module docstring).
         self.modes = [torch.where(m == BLOCK_SPARSE, FULL, m).to(device) for m in modes]   # (B, Hkv) each

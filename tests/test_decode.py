@@ -297,5 +297,7 @@ def test_bad_input():
             decode.decode_attention_reference(q, k, k, s_, c_, 5)
     with pytest.raises(ValueError, match="modes must be in .* got \\[3\\]"):
         decode.KVCache([torch.tensor([[3, FULL]])], 4, 8, 32, 16, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="modes must be in .* got \\[3\\]"):   # at construction, as KVCache
+        decode.FullKVCache([torch.tensor([[3, FULL]])], 4, 8, 32, 16, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="backend must be one of .*, got 'cuda'"):
         decode.KVCache([modes[0]], 2, 5, 10, 16, torch.float32, "cpu", backend="cuda")
