@@ -725,18 +725,19 @@ def gate_noise(run, cfg, static, step):
     return noise[:, run.rank::run.world].to(run.device)
 
 
-def gate_loss(run, model, lagrangian, b, static):
+def gate_loss(run, model, lagrangian, b, static, check=True):
     """One step's loss (answer loss + Lagrangian [+ μ·mean log α²] [+ consistency]) on batch b (its
-    gate noise in b["gate_noise"]) -> ((loss, lm, reg), Ω_MSR (B,), log α (L, B, Hkv)). No host sync:
-    a CUDA graph can hold it. With several processes, this shard's part of the global batch's loss."""
+    gate noise in b["gate_noise"]) -> ((loss, lm, reg), Ω_MSR (B,), log α (L, B, Hkv)). With
+    check=False no host sync: a CUDA graph can hold it. With several processes, this shard's part of
+    the global batch's loss."""
     P, cfg, B = run.P, model.cfg, run.P["batch_size"]
     logits, info = model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"],
-                         gate_noise=b["gate_noise"], logits_at=b["answer_pos"])   # logits (B, K, V)
+                         gate_noise=b["gate_noise"], logits_at=b["answer_pos"], check=check)   # logits (B, K, V)
     if P.get("loss") == "balanced":
         lm = router_lib.balanced_answer_loss(logits, b["answers"], b["task_ids"], b["task_counts"])
     else:
         lm = answer_loss(logits, b["answers"], b["n_answer"])
-    reg = lagrangian(info["omega_msr"], b["task_ids"], b["task_counts"])
+    reg = lagrangian(info["omega_msr"], b["task_ids"], b["task_counts"], check=check)
     log_alpha = torch.stack(info["log_alpha"])  # (L, B / world, Hkv), a copy: the step updates static gates in place
     loss = lm + reg
     if P["logit_penalty"] and not static:  # μ · mean log α² over the global batch: keeps the gates learning
@@ -759,7 +760,7 @@ def log_row(run, model, sens, step, parts, omega, log_alpha, b, lr, lam):
     logged = torch.stack([loss * w, lm * w, reg * w, active,
                           (omega * is_sens).sum() / is_sens.sum(), (omega * (1 - is_sens)).sum() / (1 - is_sens).sum(),
                           lam[sens].mean(), lam[~sens].mean()]).tolist()
-    if not math.isfinite(logged[0]):   # the model skips its NaN checks inside a training step (masks.values_checked)
+    if not math.isfinite(logged[0]):   # a replayed step (StepGraph) skips the model's NaN checks
         fail(f"step {step}: the loss is {logged[0]} (lm {logged[1]}, reg {logged[2]}); log α has "
              f"{int(log_alpha.isnan().sum())} NaN entries")
     return dict(step=step, **dict(zip(("loss", "lm", "reg", "gate_active", "omega_sensitive", "omega_robust",
@@ -787,14 +788,15 @@ class StepGraph:
     batch is copied into the recording's own input tensors; its outputs, and the parameters' .grad,
     are the same tensors at every replay (.grad is never set to None between steps). A batch of
     another shape (with fewer samples than tasks, another answer length) gets a recording of its own. A
-    recording cannot hold a host sync, so it runs inside masks.values_checked(); the eager warm-up
-    run before it checks the input values and compiles the kernels."""
+    recording cannot hold a host sync, so it runs fn(inputs, check=False); the eager warm-up run before
+    it, fn(inputs), checks the inputs and compiles the kernels."""
 
     def __init__(self, params):
         self.params, self.recordings = list(params), {}
 
     def __call__(self, fn, inputs):
-        """fn(inputs), inputs a dict of device tensors, replayed from the recording for their shapes."""
+        """fn(inputs), inputs a dict of device tensors, replayed from the recording for their shapes
+        (recorded as fn(inputs, check=False))."""
         shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
         if shapes not in self.recordings:
             self.recordings[shapes] = self.record(fn, inputs)
@@ -820,8 +822,8 @@ class StepGraph:
         torch.cuda.empty_cache()   # the warm-up's cached blocks are not the recording's: give them back
         graph = torch.cuda.CUDAGraph()
         # thread_local: the data loader's pin-memory thread may allocate while this thread records
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"), masks.values_checked():
-            outputs = fn(static_inputs)
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            outputs = fn(static_inputs, check=False)
         return graph, static_inputs, outputs, [p.grad for p in self.params]
 
 
@@ -917,8 +919,8 @@ STEP_INPUTS = ("tokens", "lengths", "prompt_lengths", "answer_pos", "answers", "
 def train_step(run, model, lagrangian, optimizer, scheduler, params, sens, b, static, step, graph=None):
     """One optimiser step of the gates (and λ) on batch b, already on the device; returns its log row.
     graph: a StepGraph that replays the loss and its backward (on a GPU), or None: run them eagerly."""
-    def loss_and_grads(b):
-        out = gate_loss(run, model, lagrangian, b, static)
+    def loss_and_grads(b, check=True):
+        out = gate_loss(run, model, lagrangian, b, static, check)
         out[0][0].backward()
         return out
 

@@ -149,11 +149,12 @@ class KVCache:
         self.v[layer].index_copy_(0, rows, v.reshape(-1, self.head_dim))
 
     def attend(self, layer, q, n_tokens):
-        """Decode attention of q (B, Hq, D) over the first n_tokens positions → (B, Hq, D)."""
+        """Decode attention of q (B, Hq, D) over the first n_tokens positions → (B, Hq, D). The cache
+        made start, cap and the extents itself: no host sync checks them."""
         args = (q, self.k[layer], self.v[layer], self.start[layer], self.cap[layer], n_tokens)
         if resolve_backend(self.backend, q.dtype, q.is_cuda, self.head_dim) == "triton":
-            return decode_attention(*args, **self.extents(layer, n_tokens))
-        return decode_attention_reference(*args)   # "torch" too: decode has no better torch path
+            return decode_attention(*args, **self.extents(layer, n_tokens), check=False)
+        return decode_attention_reference(*args, check=False)   # "torch" too: decode has no better torch path
 
     def extents(self, layer, n_tokens):
         """decode_attention's grid sizes for this layer at n_tokens, from python ints (no host sync):
@@ -214,7 +215,7 @@ class FullKVCache:
     def attend(self, layer, q, n_tokens):
         """Attention of q (B, Hq, D), the query at position n_tokens - 1, over the first n_tokens → (B, Hq, D)."""
         mask = masks.hybrid_mask(n_tokens, self.modes[layer], self.sink, self.window,
-                                 q_idx=torch.tensor([n_tokens - 1]))                  # (B, Hkv, 1, n_tokens)
+                                 q_idx=torch.tensor([n_tokens - 1]), check=False)     # (B, Hkv, 1, n_tokens)
         k, v = self.k[layer][:, :, :n_tokens], self.v[layer][:, :, :n_tokens]          # (B, Hkv, n_tokens, D)
         return masked_attention(q[:, :, None], k, v, mask)[:, :, 0]                   # (B, Hq, D)
 
@@ -231,7 +232,7 @@ def full_cache_bytes(n_layers, B, n_kv_heads, max_len, head_dim, dtype):
 # Decode attention: the naive twin, then the Triton kernels.
 
 
-def check_decode_inputs(q, k, v, start, cap, n_tokens):
+def check_decode_inputs(q, k, v, start, cap, n_tokens, check=True):
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be (B, Hq, D), got {tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
     B, Hq, D = q.shape
@@ -249,7 +250,7 @@ def check_decode_inputs(q, k, v, start, cap, n_tokens):
                          f"got {start.dtype} and {cap.dtype}")
     if not isinstance(n_tokens, int) or n_tokens < 1:
         raise ValueError(f"n_tokens must be an int >= 1 (the query sees itself), got {n_tokens!r}")
-    if masks.checking_values() and start.numel():   # one host sync; the model's decode step skips it
+    if check and start.numel():   # one host sync; a cache's own start and cap skip it
         low_cap, low_start, end = torch.stack([cap.min().long(), start.min(), (start + cap).max()]).tolist()
         if low_cap < 1 or low_start < 0 or end > k.shape[0]:
             raise ValueError(f"each head needs cap >= 1 and rows start … start + cap - 1 inside k's {k.shape[0]} "
@@ -257,12 +258,12 @@ def check_decode_inputs(q, k, v, start, cap, n_tokens):
     return B, Hq, start.shape[1], D
 
 
-def decode_attention_reference(q, k, v, start, cap, n_tokens):
+def decode_attention_reference(q, k, v, start, cap, n_tokens, check=True):
     """The naive twin of decode_attention (same signature): gather each head's live rows
     start … start + min(cap, n_tokens) - 1 into a padded (B, Hkv, L, D) copy and run masked softmax
     attention on it. Costs a copy of every live row plus the padding (B·Hkv·L·D elements, L the
     longest head), in float32 (float64 for float64 input); the kernel reads each live row once."""
-    check_decode_inputs(q, k, v, start, cap, n_tokens)
+    check_decode_inputs(q, k, v, start, cap, n_tokens, check)
     n_live = cap.long().clamp(max=n_tokens)                        # (B, Hkv)
     L = int(n_live.max())
     offs = torch.arange(L, device=q.device)
@@ -392,7 +393,7 @@ def _decode_config(interpret):
 
 
 def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=None, keys_per_split=None,
-                     config=None):
+                     config=None, check=True):
     """One query token per sample against the compact cache: q (B, Hq, D); k, v (R, D) rows; head
     (b, h) reads rows start[b, h] … start[b, h] + min(cap[b, h], n_tokens) - 1. Returns (B, Hq, D) in
     q's dtype; the same numbers as decode_attention_reference.
@@ -402,9 +403,10 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=N
     live_rows (an int, Σ min(cap, n_tokens) over the heads: the rows read) size the grid without a
     host sync. keys_per_split defaults to about two programs per SM over the rows the heads really
     hold, within the config's bounds; config = (BLOCK_N, num_warps, num_stages, min and max keys per
-    split) overrides _decode_config.
+    split) overrides _decode_config. check=False: the caller vouches for start, cap and the hints
+    (KVCache.attend: the cache made them), so that no host sync reads them.
     """
-    B, Hq, Hkv, D = check_decode_inputs(q, k, v, start, cap, n_tokens)
+    B, Hq, Hkv, D = check_decode_inputs(q, k, v, start, cap, n_tokens, check)
     reason = triton_unsupported(q.dtype, q.is_cuda, D)
     if reason is not None:
         raise ValueError(f"decode_attention: {reason}")
@@ -413,7 +415,7 @@ def decode_attention(q, k, v, start, cap, n_tokens, *, max_cap=None, live_rows=N
     BLOCK_N, num_warps, num_stages, min_split, max_split = config or _decode_config(interpret)
     if live_rows is not None and (not isinstance(live_rows, int) or live_rows < 1):
         raise ValueError(f"live_rows must be an int >= 1, got {live_rows!r}")
-    if masks.checking_values() or max_cap is None or live_rows is None:   # host syncs; the model skips them
+    if check or max_cap is None or live_rows is None:   # host syncs
         true_max, true_rows = int(cap.max()), int(cap.clamp(max=n_tokens).sum())
         if max_cap not in (None, true_max) or live_rows not in (None, true_rows):  # a wrong grid misses rows
             raise ValueError(f"max_cap {max_cap} and live_rows {live_rows} must be the caps' maximum "

@@ -23,7 +23,7 @@ import os  # TRITON_INTERPRET=1 switches the kernels to Triton's CPU interpreter
 import torch
 
 from .masks import (BLOCK_SPARSE, FULL, STREAMING, check_block_mask, check_modes, check_qkv,
-                   check_sparse_params, hybrid_mask, naive_attention, streaming, values_checked)
+                   check_sparse_params, hybrid_mask, naive_attention, streaming)
 
 # The one place that asks whether Triton is installed: decode.py and xattention.py import triton
 # and tl from here, so a machine without Triton still runs every "reference" and "torch" path.
@@ -211,11 +211,11 @@ def _block_sparse_args(block_mask, device):
 # -----------------------------------------------------------------------------
 # 3. Forward.
 
-def hybrid_attention_reference(q, k, v, modes, sink, window, block_mask=None, block_size=64):
+def hybrid_attention_reference(q, k, v, modes, sink, window, block_mask=None, block_size=64, check=True):
     """The naive twin of the fused forward (same arguments): naive_attention on the dense
     hybrid_mask. Costs B·Hkv·S² bytes of mask plus B·Hq·S² floats of scores, written and read
     three times; the kernel below computes the same numbers from O(1) tile bounds per program."""
-    mask = hybrid_mask(q.shape[2], modes, sink, window, block_mask, block_size)  # (B, Hkv, S, S)
+    mask = hybrid_mask(q.shape[2], modes, sink, window, block_mask, block_size, check=check)  # (B, Hkv, S, S)
     return naive_attention(q, k, v, mask)
 
 
@@ -893,7 +893,7 @@ class _FusedHybridAttention(torch.autograd.Function):
 
 
 def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, *,
-                           return_lse=False, config=None, bwd_config=None):
+                           return_lse=False, config=None, bwd_config=None, check=True):
     """Fused causal hybrid attention, forward and backward: each (sample, KV head) in its own mode.
     q (B, Hq, S, D); k, v (B, Hkv, S, D); modes (B, Hkv) int; block_mask (B, Hkv, nB, nB) bool at
     block_size, needed when a head is BLOCK_SPARSE. Returns o (B, Hq, S, D) in q's dtype, and with
@@ -921,6 +921,7 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
     block_mask compiles the list walk in and sizes the tiles for its block_size, whatever the modes:
     pass None when no head is BLOCK_SPARSE (this avoids a host sync to look at the modes).
     Non-contiguous q/k/v are fine (the kernels take strides); the outputs are contiguous.
+    check=False: the caller has checked modes and block_mask (hybrid_attention).
     """
     B, Hq, Hkv, S, D = check_qkv(q, k, v)
     check_int32_reach(q=q, k=k, v=v)
@@ -936,9 +937,9 @@ def fused_hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_
         if has_bs and max(cfg[0], cfg[1]) > block_size:
             raise ValueError(f"{name} BLOCK_M={cfg[0]}, BLOCK_N={cfg[1]} must not exceed "
                              f"block_size={block_size} for BLOCK_SPARSE heads")
-    # Last before the launch: reading the modes is a host sync, and the GPU idles until the next launch.
-    check_modes(modes, B, Hkv, device=q.device, block_mask_given=has_bs)
-    check_block_mask(block_mask, modes, S, block_size)
+    if check:   # last before the launch: reading the modes is a host sync, and the GPU idles until the next launch
+        check_modes(modes, B, Hkv, device=q.device, block_mask_given=has_bs)
+        check_block_mask(block_mask, modes, S, block_size)
     sink, window = min(sink, S), min(window, S)   # beyond S they change nothing; keeps int32 math safe
     o, lse = _FusedHybridAttention.apply(q, k, v, modes.to(torch.int32), sink, window, block_mask,
                                          block_size, tuple(config), tuple(map(tuple, bwd_config)))
@@ -973,20 +974,21 @@ def uniform_attention_sdpa(q, k, v, mode, sink, window, block_mask=None, block_s
 # -----------------------------------------------------------------------------
 # 7. The one entry point the model calls.
 
-def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, backend="auto"):
+def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=64, backend="auto", check=True):
     """Causal attention where each (sample, KV head) runs its own mode. q (B, Hq, S, D),
     k/v (B, Hkv, S, D), modes int (B, Hkv). Returns (B, Hq, S, D) in q's dtype. backend as in
     section 1: "reference" is hybrid_attention_reference, "triton" fused_hybrid_attention, "torch"
     SDPA when every head has one mode (BLOCK_SPARSE: with every diagonal block on), else the
-    reference. Every backend is differentiable; the choice never depends on grad mode."""
-    B, Hq, Hkv, S, D = check_qkv(q, k, v)
-    check_sparse_params(sink, window, block_size)
-    check_modes(modes, B, Hkv, device=q.device, block_mask_given=block_mask is not None)
-    check_block_mask(block_mask, modes, S, block_size)
+    reference. Every backend is differentiable; the choice never depends on grad mode.
+    check=False: the caller has checked the arguments (the model's layers: its forward did)."""
+    if check:
+        B, Hq, Hkv, S, D = check_qkv(q, k, v)
+        check_sparse_params(sink, window, block_size)
+        check_modes(modes, B, Hkv, device=q.device, block_mask_given=block_mask is not None)
+        check_block_mask(block_mask, modes, S, block_size)
     backend = prefill_backend(backend, q, block_mask, block_size)
     if backend == "triton":
-        with values_checked():   # checked above: no second host sync
-            return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size)
+        return fused_hybrid_attention(q, k, v, modes, sink, window, block_mask, block_size, check=False)
     if backend == "torch" and modes.numel():
         mode = modes.flatten()[0]
         uniform = bool((modes == mode).all())  # host sync: only the torch backend asks
@@ -995,4 +997,4 @@ def hybrid_attention(q, k, v, modes, sink, window, block_mask=None, block_size=6
             uniform = bool(block_mask.diagonal(dim1=-2, dim2=-1).all())
         if uniform:
             return uniform_attention_sdpa(q, k, v, int(mode), sink, window, block_mask, block_size)
-    return hybrid_attention_reference(q, k, v, modes, sink, window, block_mask, block_size)
+    return hybrid_attention_reference(q, k, v, modes, sink, window, block_mask, block_size, check=False)

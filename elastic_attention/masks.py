@@ -17,8 +17,6 @@ per KV head (GQA groups are contiguous: query head h reads KV head h // G), D he
 nB = ceil(S / block_size) blocks per sequence.
 """
 
-import contextlib
-import contextvars
 import math
 
 import torch
@@ -74,7 +72,10 @@ def block_sparse(block_mask, block_size):
 
 
 # -----------------------------------------------------------------------------
-# Checks shared by every public entry point: bad input gets an error naming the bad value.
+# Checks shared by every public entry point: bad input gets an error naming the bad value. A check
+# that reads tensor values (modes, lengths) is a host sync: the GPU idles until the host launches
+# again, and a CUDA graph cannot record one. So a public function checks, and a caller that has
+# checked (the model, once per forward, not in every layer) passes check=False.
 
 def check_int(name, value, low=None, why=""):
     """An int (a bool is not one) of at least `low`, or a ValueError naming the value."""
@@ -88,29 +89,6 @@ def check_sparse_params(sink, window, block_size=None):
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
                                    or block_size & (block_size - 1)):
         raise ValueError(f"block_size must be a power of two, got {block_size!r}")
-
-
-_CHECK_VALUES = contextvars.ContextVar("check_values", default=True)
-
-
-@contextlib.contextmanager
-def values_checked():
-    """Inside this block the checks that read a tensor's values on the host (modes, lengths, log α;
-    each a device synchronisation) are skipped, as torch.no_grad() skips autograd. The model enters
-    it after checking its inputs once, so that its layers' calls into the kernels and routers do not
-    each stall the GPU; the training step's CUDA graph is recorded inside it, since a host sync cannot
-    be recorded (train_router.StepGraph: its warm-up run checks the inputs). Checks of shapes, dtypes
-    and devices still run."""
-    token = _CHECK_VALUES.set(False)
-    try:
-        yield
-    finally:
-        _CHECK_VALUES.reset(token)
-
-
-def checking_values():
-    """False inside values_checked(): a check that would read tensor values on the host skips it."""
-    return _CHECK_VALUES.get()
 
 
 def check_mode_values(modes, block_mask_given):
@@ -133,8 +111,7 @@ def check_modes(modes, B, Hkv, device=None, *, block_mask_given):
         raise ValueError(f"modes must be an integer tensor of shape ({B}, {Hkv}), got {modes!r}")
     if tuple(modes.shape) != (B, Hkv):
         raise ValueError(f"modes has shape {tuple(modes.shape)}, expected (B, Hkv) = ({B}, {Hkv})")
-    if checking_values():
-        check_mode_values(modes, block_mask_given)
+    check_mode_values(modes, block_mask_given)
     if device is not None and modes.device != device:
         raise ValueError(f"modes is on {modes.device} but q is on {device}")
 
@@ -149,7 +126,7 @@ def check_lengths(lengths, B, S, name="lengths"):
             or lengths.dtype == torch.bool or tuple(lengths.shape) != (B,)):
         raise ValueError(f"{name} must be an integer tensor of shape (B,) = ({B},), got {lengths!r}")
     bad = (lengths < 1) | (lengths > S)
-    if checking_values() and bad.any():
+    if bad.any():
         raise ValueError(f"{name} must be in [1, S={S}], got {lengths[bad].tolist()}")
     return lengths
 
@@ -195,17 +172,18 @@ def check_qkv(q, k, v):
 # -----------------------------------------------------------------------------
 # The ground truth: a dense per-KV-head boolean mask built from the predicates.
 
-def hybrid_mask(seq_len, modes, sink, window, block_mask=None, block_size=64, q_idx=None):
+def hybrid_mask(seq_len, modes, sink, window, block_mask=None, block_size=64, q_idx=None, check=True):
     """Bool (B, Hkv, S, S): may query i of (sample b, KV head h) see key j, given that head's mode.
 
     q_idx (Sq,) picks the query positions (default all S): decoding with a KV cache asks for
     one row, (B, Hkv, 1, S). Costs B·Hkv·Sq·S bytes: fine for tests and small models, never
     built by the Triton path.
     """
-    check_sparse_params(sink, window, block_size)
     B, Hkv = modes.shape
-    check_modes(modes, B, Hkv, block_mask_given=block_mask is not None)
-    check_block_mask(block_mask, modes, seq_len, block_size)
+    if check:
+        check_sparse_params(sink, window, block_size)
+        check_modes(modes, B, Hkv, block_mask_given=block_mask is not None)
+        check_block_mask(block_mask, modes, seq_len, block_size)
     device = modes.device
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = torch.arange(Hkv, device=device).view(1, Hkv, 1, 1)
@@ -235,7 +213,7 @@ def omega_esr(mask):
     return 1.0 - (kept.double() / causal_pairs).mean(-1)              # (B,)
 
 
-def kept_pairs(seq_len, modes, sink, window, block_mask=None, block_size=64, lengths=None):
+def kept_pairs(seq_len, modes, sink, window, block_mask=None, block_size=64, lengths=None, check=True):
     """(B, Hkv) causal (query, key) pairs each head keeps, counted in O(B·S) without an S×S mask.
     Must equal hybrid_mask(...).sum((-2, -1)) (tests hold it to that); the model uses it for
     Ω_ESR at long S, where the mask itself would not fit.
@@ -243,13 +221,14 @@ def kept_pairs(seq_len, modes, sink, window, block_mask=None, block_size=64, len
     lengths (B,) (optional, see check_lengths): count only sample b's real tokens, queries and
     keys < lengths[b]: hybrid_mask(...)[b, :, :L, :L].sum(). Causality makes a real query see
     only real keys, so it is enough to drop the padded query rows."""
-    check_sparse_params(sink, window, block_size)
-    if not isinstance(modes, torch.Tensor) or modes.dim() != 2:
-        raise ValueError(f"modes must be an integer tensor (B, Hkv), got {modes!r}")
+    if check:
+        check_sparse_params(sink, window, block_size)
+        if not isinstance(modes, torch.Tensor) or modes.dim() != 2:
+            raise ValueError(f"modes must be an integer tensor (B, Hkv), got {modes!r}")
+        check_modes(modes, *modes.shape, block_mask_given=block_mask is not None)
+        check_block_mask(block_mask, modes, seq_len, block_size)
+        check_lengths(lengths, modes.shape[0], seq_len)
     B, Hkv = modes.shape
-    check_modes(modes, B, Hkv, block_mask_given=block_mask is not None)
-    check_block_mask(block_mask, modes, seq_len, block_size)
-    check_lengths(lengths, B, seq_len)
     device = modes.device
     i = torch.arange(seq_len, device=device, dtype=torch.float64)           # query positions
     n = torch.full((B,), seq_len, device=device) if lengths is None else lengths.to(device)
@@ -272,13 +251,13 @@ def kept_pairs(seq_len, modes, sink, window, block_mask=None, block_size=64, len
     return kept
 
 
-def omega_esr_closed_form(seq_len, modes, sink, window, block_mask=None, block_size=64, lengths=None):
+def omega_esr_closed_form(seq_len, modes, sink, window, block_mask=None, block_size=64, lengths=None, check=True):
     """Ω_ESR (B,) like omega_esr(hybrid_mask(...)), from kept_pairs instead of the mask. With
     lengths (B,), sample b's Ω_ESR over its lengths[b] real tokens only: padding neither adds
     pruned pairs nor kept ones."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"Ω_ESR needs seq_len >= 1 (a fraction of no pairs is undefined), got {seq_len!r}")
-    kept = kept_pairs(seq_len, modes, sink, window, block_mask, block_size, lengths)   # (B, Hkv)
+    kept = kept_pairs(seq_len, modes, sink, window, block_mask, block_size, lengths, check)   # (B, Hkv)
     n = torch.full((modes.shape[0],), float(seq_len), dtype=torch.float64, device=modes.device) \
         if lengths is None else lengths.to(modes.device, torch.float64)             # (B,) real tokens
     return 1.0 - (kept / (n * (n + 1) / 2).view(-1, 1)).mean(-1)

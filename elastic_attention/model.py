@@ -324,11 +324,11 @@ class Attention(nn.Module):
         sparse heads training drew (debt: the rounding carried over the layers), no RNG."""
         if not self.training:
             if self.cfg.deploy == "count":
-                return router_lib.count_gate(log_alpha, debt)
-            return router_lib.deterministic_gate(log_alpha)
+                return router_lib.count_gate(log_alpha, debt, check=False)
+            return router_lib.deterministic_gate(log_alpha, check=False)
         if self.cfg.gate == "gumbel":
-            return router_lib.gumbel_softmax_gate(log_alpha, self.gumbel_tau, u)
-        return router_lib.hard_concrete_gate(log_alpha, u)
+            return router_lib.gumbel_softmax_gate(log_alpha, self.gumbel_tau, u, check=False)
+        return router_lib.hard_concrete_gate(log_alpha, u, check=False)
 
     def runs_fused(self, q, block_mask):
         """Whether attention runs every head in its own mode in one launch (the Triton kernel)."""
@@ -336,7 +336,8 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, modes, block_mask):
         c = self.cfg
-        return kernels.hybrid_attention(q, k, v, modes, c.sink, c.window, block_mask, c.block_size, c.backend)
+        return kernels.hybrid_attention(q, k, v, modes, c.sink, c.window, block_mask, c.block_size, c.backend,
+                                        check=False)
 
     def decode(self, q, k, v, cache):
         """One new token per sample against the KV cache (decode.KVCache or decode.FullKVCache), in
@@ -354,7 +355,8 @@ class Attention(nn.Module):
         gate's rounding, carried from layer to layer. shift (B,): ranked routers' per-input log α shift
         (Transformer.attach_routers), added to every head's. deployed (B, Hkv): z chosen over all
         layers at once (deploy="global"), in place of the gate. record: this layer's z, kernel
-        modes, log α, block mask, k/v for a KV cache, and the rows."""
+        modes, log α, block mask, k/v for a KV cache, and the rows. Transformer.forward has checked
+        the arguments, so the calls below pass check=False (no host sync per layer)."""
         B, S, _ = x.shape
         q, k, v, k_pre = self.project(x, cos, sin)
         if cache is not None:
@@ -364,7 +366,7 @@ class Attention(nn.Module):
         # 1-2. Route: the router reads the prompt's keys and a gate decides z per (sample, KV head).
         log_alpha = None
         if modes is None and z is None and self.router is not None:
-            log_alpha = self.router(k_pre, prompt_lengths)                                 # (B, Hkv)
+            log_alpha = self.router(k_pre, prompt_lengths, check=False)                    # (B, Hkv)
             if shift is not None:
                 log_alpha = log_alpha + shift[:, None]
             z = self.gate(log_alpha, gate_noise, debt) if deployed is None else deployed  # (B, Hkv)
@@ -383,7 +385,7 @@ class Attention(nn.Module):
         if needs_xa:
             c = self.cfg
             block_mask = xattention.xattention_block_mask(q, k, c.block_size, c.xa_stride, c.xa_threshold,
-                                                          c.backend, lengths)                 # (B, Hkv, nB, nB)
+                                                          c.backend, lengths, check=False)    # (B, Hkv, nB, nB)
 
         # 3. Attention. Training mix (METHOD.md §5): both outputs, O = z·O_full + (1 − z)·O_sparse.
         # With a hard z the forward is exactly the hybrid model, and d O / d z = O_full − O_sparse.
@@ -503,9 +505,9 @@ class Transformer(nn.Module):
             raise ValueError(f"idx has no tokens: (B, S) = {tuple(idx.shape)}")
         if idx.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
-        if masks.checking_values() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got min {idx.min().item()} "
-                             f"max {idx.max().item()}")
+        lo, hi = torch.stack(idx.aminmax()).tolist()   # one host sync
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got min {lo} max {hi}")
 
     def check_per_layer(self, name, values, B, device):
         """modes / z / gate_noise: one (B, Hkv) tensor per layer, as a list or an (L, B, Hkv)
@@ -524,8 +526,6 @@ class Transformer(nn.Module):
                     or v.dtype == torch.bool:
                 raise ValueError(f"{name} must be {kind} tensors on the tokens' device {device}, got {v.dtype} "
                                  f"on {v.device}")
-        if not masks.checking_values():   # inside masks.values_checked(): the caller vouches for the values
-            return
         values = torch.stack(list(values))    # one host sync for every layer's values
         if name == "modes":
             masks.check_mode_values(values, block_mask_given=True)   # the layers make XAttention masks themselves
@@ -540,12 +540,14 @@ class Transformer(nn.Module):
             want = "(B,)" if dims == 1 else "(B, K)"
             raise ValueError(f"{name} must be an integer tensor {want} with B={B} on the tokens' device "
                              f"{device}, got {positions!r}")
-        if masks.checking_values() and ((positions < 0) | (positions >= S)).any():
+        if ((positions < 0) | (positions >= S)).any():
             raise ValueError(f"{name} must be positions in [0, S={S}), got {positions.tolist()}")
 
-    def check_inputs(self, B, S, device, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at, routed):
-        """forward's arguments besides the tokens: a ValueError naming the first bad one. routed: the
-        routers will read the prompt (attached, no modes or z given, not a decoding step)."""
+    def check_inputs(self, idx, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at, routed):
+        """forward's arguments: a ValueError naming the first bad one. routed: the routers will read the
+        prompt (attached, no modes or z given, not a decoding step)."""
+        self.check_tokens(idx)
+        (B, S), device = idx.shape, idx.device
         if modes is not None and z is not None:
             raise ValueError("give modes or z, not both")
         for name, values in (("modes", modes), ("z", z), ("gate_noise", gate_noise)):
@@ -553,12 +555,11 @@ class Transformer(nn.Module):
                 self.check_per_layer(name, values, B, device)
         masks.check_lengths(lengths, B, S)
         masks.check_lengths(prompt_lengths, B, S, name="prompt_lengths")
-        if (lengths is not None and prompt_lengths is not None and masks.checking_values()
-                and (prompt_lengths > lengths).any()):
+        if lengths is not None and prompt_lengths is not None and (prompt_lengths > lengths).any():
             raise ValueError(f"prompt_lengths must not exceed lengths (the router would pool padding), got "
                              f"{prompt_lengths.tolist()} and {lengths.tolist()}")
         skip = self.cfg.pool_skip
-        if routed and skip and masks.checking_values():
+        if routed and skip:
             reads = prompt_lengths if prompt_lengths is not None else lengths
             if (S if reads is None else int(reads.min())) <= skip:
                 raise ValueError(f"every prompt length must exceed the {skip} preamble tokens the routers skip, "
@@ -569,7 +570,7 @@ class Transformer(nn.Module):
             self.check_positions("logits_at", logits_at, 2, B, S, device)
 
     def forward(self, idx, modes=None, z=None, lengths=None, prompt_lengths=None, gate_noise=None,
-                rows_at=None, logits_at=None, cache=None):
+                rows_at=None, logits_at=None, cache=None, check=True):
         """idx (B, S) → (logits (B, S, V), info). Routing follows the module docstring.
 
         modes (L, B, Hkv) kernel modes, or z (L, B, Hkv) in [0, 1] (1 = FULL, mixed as in training):
@@ -589,11 +590,16 @@ class Transformer(nn.Module):
         info: z, modes, log_alpha, block_mask (one entry per layer), records, rows, omega_msr (B,) =
         1 − mean z over layers and KV heads (carries the gate's gradient), omega_esr (B,) averaged
         over layers and omega_esr_last (B,) (METHOD.md §2).
+
+        check: the arguments are checked here, once, values included (a handful of host syncs), and
+        the layers trust them; after the layers, one more sync finds a NaN log α. check=False skips
+        all of that, for a caller that has checked the same inputs: train_router.StepGraph records
+        its training step as a CUDA graph, which cannot hold a host sync.
         """
-        self.check_tokens(idx)
-        B, S = idx.shape
         routed = self.routers is not None and modes is None and z is None and cache is None
-        self.check_inputs(B, S, idx.device, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at, routed)
+        if check:
+            self.check_inputs(idx, modes, z, lengths, prompt_lengths, gate_noise, rows_at, logits_at, routed)
+        B, S = idx.shape
         if prompt_lengths is None:
             prompt_lengths = lengths
         start = 0 if cache is None else cache.n_tokens      # decoding: the new token's position
@@ -609,27 +615,26 @@ class Transformer(nn.Module):
             else:                         # from layer 0's keys
                 first = self.layers[0]
                 k_pre = first.self_attn.router_keys(first.input_layernorm(x))                # (B, Hkv, S, D)
-                shift = self.shift_router(k_pre, prompt_lengths).mean(1)                     # (B,)
+                shift = self.shift_router(k_pre, prompt_lengths, check=False).mean(1)        # (B,)
         deployed = [None] * len(self.layers)
         global_count = routed and not self.training and self.cfg.deploy == "global"
         if global_count and shift is None:
             raise ValueError('deploy="global" needs ranked routers (attach_routers(ranked=True)): other '
                              "routers' log α is known only layer by layer")
-        with masks.values_checked():   # the inputs are checked: no host syncs inside the layers
-            if global_count:  # every head's log α is known before the first layer: one count, one ranking
-                ranking = torch.stack([layer.self_attn.router.log_alpha for layer in self.layers])  # (L, Hkv)
-                everyone = ranking.float()[None] + shift[:, None, None]                             # (B, L, Hkv)
-                chosen = router_lib.count_gate(everyone.flatten(1), torch.zeros(B, device=idx.device))
-                deployed = chosen.view_as(everyone).unbind(1)                                       # L × (B, Hkv)
-            for i, layer in enumerate(self.layers):
-                x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
-                                  z=None if z is None else z[i],
-                                  gate_noise=None if gate_noise is None else gate_noise[i],
-                                  lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache,
-                                  debt=debt, shift=shift, deployed=deployed[i])
-                records.append(record)
+        if global_count:  # every head's log α is known before the first layer: one count, one ranking
+            ranking = torch.stack([layer.self_attn.router.log_alpha for layer in self.layers])  # (L, Hkv)
+            everyone = ranking.float()[None] + shift[:, None, None]                             # (B, L, Hkv)
+            chosen = router_lib.count_gate(everyone.flatten(1), torch.zeros(B, device=idx.device), check=False)
+            deployed = chosen.view_as(everyone).unbind(1)                                       # L × (B, Hkv)
+        for i, layer in enumerate(self.layers):
+            x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
+                              z=None if z is None else z[i],
+                              gate_noise=None if gate_noise is None else gate_noise[i],
+                              lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache,
+                              debt=debt, shift=shift, deployed=deployed[i])
+            records.append(record)
         # NaN > 0 is False: a NaN log α would silently be taken as sparse
-        if routed and masks.checking_values() and torch.stack([r["log_alpha"] for r in records]).isnan().any():
+        if routed and check and torch.stack([r["log_alpha"] for r in records]).isnan().any():
             raise ValueError(f"log α has NaN entries in layers "
                              f"{[i for i, r in enumerate(records) if r['log_alpha'].isnan().any()]}: a router's output "
                              f"is not a number")
@@ -662,9 +667,8 @@ class Transformer(nn.Module):
         n = valid.sum(1)                                                       # (B,) S'_b
         x = self.embed_tokens(torch.gather(idx, 1, pos))                       # (B, S', C)
         cos, sin = self.rope_cos[:pos.shape[1]], self.rope_sin[:pos.shape[1]]  # positions 0 … S'−1
-        with masks.values_checked():   # positions made here: no host sync (a training step is graph-captured)
-            for layer in self.layers[:c.prepass_layers]:
-                x = layer.dense(x, cos, sin)
+        for layer in self.layers[:c.prepass_layers]:
+            x = layer.dense(x, cos, sin)
         return x[torch.arange(B, device=idx.device), n - 1], n                  # (B, C), (B,)
 
     @torch.no_grad()
@@ -680,10 +684,9 @@ class Transformer(nn.Module):
 
     def summarize(self, records, S, lengths=None, prepass_len=None):
         c = self.cfg
-        extra = {} if lengths is None else dict(lengths=lengths)
-        with masks.values_checked():   # the layers made these modes: reading them back is a sync per layer
-            esr = torch.stack([masks.omega_esr_closed_form(S, r["modes"], c.sink, c.window, r["block_mask"],
-                                                           c.block_size, **extra) for r in records])  # (L, B)
+        # The layers made these modes and z: reading them back would be a host sync per layer.
+        esr = torch.stack([masks.omega_esr_closed_form(S, r["modes"], c.sink, c.window, r["block_mask"],
+                                                       c.block_size, lengths, check=False) for r in records])  # (L, B)
         if prepass_len is not None:   # the pre-pass's pairs count as work done, in the layers it runs
             n = (torch.full_like(prepass_len, S) if lengths is None else lengths).double()     # (B,)
             m = prepass_len.double()
@@ -692,7 +695,7 @@ class Transformer(nn.Module):
             records=records, z=[r["z"] for r in records], modes=[r["modes"] for r in records],
             log_alpha=[r["log_alpha"] for r in records], block_mask=[r["block_mask"] for r in records],
             rows=None if records[0]["rows"] is None else torch.stack([r["rows"] for r in records]),  # (L, B, Hq, S)
-            omega_msr=router_lib.omega_msr([r["z"] for r in records]), omega_esr=esr.mean(0),
+            omega_msr=router_lib.omega_msr([r["z"] for r in records], check=False), omega_esr=esr.mean(0),
             omega_esr_last=esr[-1])
 
 
@@ -749,7 +752,7 @@ class Transformer(nn.Module):
         if cache.B != B or cache.n_tokens != pos:
             raise ValueError(f"cache holds {cache.n_tokens} tokens of {cache.B} samples; got position {pos} "
                              f"for {B} samples")
-        logits, _ = self.forward(token, cache=cache)
+        logits, _ = self.forward(token, cache=cache, check=False)   # checked above
         return logits
 
 

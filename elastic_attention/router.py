@@ -43,33 +43,33 @@ _SHIFT = BETA * math.log(ZETA / -GAMMA)
 
 def _check_log_alpha(log_alpha):
     """A NaN router logit is a broken router, not a decision: NaN > 0 is False, so a gate would
-    silently call the head SPARSE. ±inf is a decision and passes. One host sync per call, skipped
-    inside masks.values_checked() (the model checks every layer's log α once, after its layers)."""
-    if masks.checking_values() and torch.isnan(log_alpha).any():
+    silently call the head SPARSE. ±inf is a decision and passes. One host sync: the model calls the
+    gates with check=False and checks every layer's log α once, after its layers."""
+    if torch.isnan(log_alpha).any():
         raise ValueError(f"log α has {int(torch.isnan(log_alpha).sum())} NaN entries of "
                          f"{log_alpha.numel()}: the router's output is not a number")
 
 
-def _logistic_noise(shape, like, u=None, generator=None):
+def _logistic_noise(shape, like, u=None, generator=None, check=True):
     """log u − log(1 − u) for u ~ U(ε, 1 − ε): a standard logistic sample, P(noise <= x) = σ(x)."""
     if u is None:
         u = torch.rand(shape, generator=generator, device=like.device, dtype=torch.float32)
     elif tuple(u.shape) != tuple(shape):
         raise ValueError(f"u must have log α's shape {tuple(shape)}, got {tuple(u.shape)}")
-    elif masks.checking_values() and not bool(((u >= 0) & (u <= 1)).all()):   # a host sync
+    elif check and not bool(((u >= 0) & (u <= 1)).all()):   # a host sync
         raise ValueError("u must be uniforms in [0, 1], got values outside it (or NaN)")
     u = u.to(device=like.device, dtype=torch.float32).clamp(EPS, 1 - EPS)
     return torch.log(u) - torch.log1p(-u)
 
 
-def hard_concrete_sample(log_alpha, u=None, generator=None):
+def hard_concrete_sample(log_alpha, u=None, generator=None, check=True):
     """The relaxed gate z̃ ∈ [0, 1], same shape as log_alpha, differentiable where 0 < s̄ < 1.
 
     u: optional uniforms of log_alpha's shape (tests pass them for reproducibility); otherwise drawn
     from `generator` (or the global RNG). Computed in float32 whatever log_alpha's dtype.
     """
     log_alpha = log_alpha.float()
-    noise = _logistic_noise(log_alpha.shape, log_alpha, u, generator)
+    noise = _logistic_noise(log_alpha.shape, log_alpha, u, generator, check)
     s = torch.sigmoid((noise + log_alpha) / BETA)     # concrete sample in (0, 1)
     s_bar = s * (ZETA - GAMMA) + GAMMA                # stretched to (γ, ζ)
     return s_bar.clamp(0.0, 1.0)                      # z̃: exactly 0 or 1 with finite probability
@@ -117,27 +117,31 @@ def log_alpha_for_omega(omega):
     return math.log((1 - omega) / omega)
 
 
-def hard_concrete_gate(log_alpha, u=None, generator=None):
+def hard_concrete_gate(log_alpha, u=None, generator=None, check=True):
     """Training gate: forward value exactly 0. or 1. (1 = FULL), gradient that of z̃ (straight-through).
 
     z = hard + (z̃ − z̃.detach()) is exactly `hard` but differentiates like z̃, so the model trains
     on exactly the hybrid it will run at inference. (Without the brackets, (1 + z̃) − z̃ rounds to
     1 − 2⁻²⁴ for about a fifth of draws in float32.) Where z̃ is clamped (s̄ <= 0 or s̄ >= 1, about a
     third of draws at log α = 0) the gradient is zero for that draw — the price of point masses.
+    check=False (every gate): skip the host syncs that look for NaN in log α and u outside [0, 1]; the
+    model checks u at its entry and log α after its layers.
     """
-    _check_log_alpha(log_alpha)
-    z_soft = hard_concrete_sample(log_alpha, u, generator)
+    if check:
+        _check_log_alpha(log_alpha)
+    z_soft = hard_concrete_sample(log_alpha, u, generator, check)
     z_hard = (z_soft > 0.5).float()
     return z_hard + (z_soft - z_soft.detach())  # parenthesised: exactly z_hard in any dtype
 
 
-def deterministic_gate(log_alpha):
+def deterministic_gate(log_alpha, check=True):
     """Evaluation gate: z = 1[log α > 0] (the more likely hard decision), no RNG, no gradient."""
-    _check_log_alpha(log_alpha)
+    if check:
+        _check_log_alpha(log_alpha)
     return (log_alpha > 0).float()
 
 
-def count_gate(log_alpha, debt):
+def count_gate(log_alpha, debt, check=True):
     """Evaluation gate that deploys the sparsity training paid for: log α (B, Hkv) of one layer,
     debt (B,) float32 carried from layer to layer (zeros before the first; updated in place)
     -> z (B, Hkv), no RNG, no gradient.
@@ -152,7 +156,8 @@ def count_gate(log_alpha, debt):
     if log_alpha.dim() != 2 or not isinstance(debt, torch.Tensor) or debt.shape != log_alpha.shape[:1]:
         raise ValueError(f"count_gate takes log α (B, Hkv) and debt (B,), got {tuple(log_alpha.shape)} and "
                          f"{tuple(debt.shape) if isinstance(debt, torch.Tensor) else type(debt)}")
-    _check_log_alpha(log_alpha)
+    if check:
+        _check_log_alpha(log_alpha)
     expected = (1 - prob_full(log_alpha.float())).sum(1)                 # (B,)
     k = (debt + expected).round().clamp(0, log_alpha.shape[1])            # (B,) sparse heads in this layer
     debt += expected - k                                                  # stays in [−½, ½]
@@ -171,7 +176,7 @@ def count_gate(log_alpha, debt):
 # (Pitfall in the authors' sigmoid variant, METHOD.md §5: a single Gumbel g1 inside the sigmoid
 # gives P(hard = 1) = 1 − exp(−e^{log α}), 0.632 at log α = 0, a built-in bias towards FULL.)
 
-def gumbel_softmax_gate(logit, tau, u=None, generator=None):
+def gumbel_softmax_gate(logit, tau, u=None, generator=None, check=True):
     """Two-logit Gumbel-softmax (logits (logit, 0)) with hard forward and straight-through gradient.
 
     Forward exactly 0. or 1. (1 = FULL); P(1) = σ(logit); gradient that of σ((logit + noise) / τ).
@@ -179,9 +184,10 @@ def gumbel_softmax_gate(logit, tau, u=None, generator=None):
     """
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < math.inf:
         raise ValueError(f"temperature tau must be a finite number > 0, got {tau!r}")
-    _check_log_alpha(logit)
+    if check:
+        _check_log_alpha(logit)
     logit = logit.float()
-    noise = _logistic_noise(logit.shape, logit, u, generator)   # = g1 − g0 in distribution
+    noise = _logistic_noise(logit.shape, logit, u, generator, check)   # = g1 − g0 in distribution
     z_soft = torch.sigmoid((logit + noise) / tau)
     z_hard = (z_soft > 0.5).float()
     return z_hard + (z_soft - z_soft.detach())  # parenthesised: exactly z_hard in any dtype
@@ -202,7 +208,7 @@ def tau_cosine(progress, tau_start=1.5, tau_end=1.0, anneal_frac=0.6):
 # -----------------------------------------------------------------------------
 # 2. The Attention Router (one per layer, ≈ 0.26 M parameters at D = 128, hidden ×4).
 
-def boundary_pool(k, prompt_lengths, pool_tokens, skip=0):
+def boundary_pool(k, prompt_lengths, pool_tokens, skip=0, check=True):
     """Mean of each sample's first P prompt tokens after `skip` and its last P prompt tokens:
     (B, Hkv, S, D) -> (B, Hkv, D) float32.
 
@@ -217,10 +223,11 @@ def boundary_pool(k, prompt_lengths, pool_tokens, skip=0):
     tokens that reads 200 keys instead of 64K and never makes an fp32 copy of the whole K.
     """
     B, Hkv, S, D = k.shape
-    check_lengths(prompt_lengths, B, S, name="prompt_lengths")
-    if skip and masks.checking_values() and bool((prompt_lengths <= skip).any()):
-        raise ValueError(f"every prompt length must exceed the {skip} skipped preamble tokens, got "
-                         f"{prompt_lengths.tolist()}")
+    if check:
+        check_lengths(prompt_lengths, B, S, name="prompt_lengths")
+        if skip and bool((prompt_lengths <= skip).any()):
+            raise ValueError(f"every prompt length must exceed the {skip} skipped preamble tokens, got "
+                             f"{prompt_lengths.tolist()}")
     P = pool_tokens
     slot = torch.arange(P, device=k.device).view(1, P)                # (1, P)
     L = prompt_lengths.to(k.device).view(B, 1)                        # (B, 1)
@@ -283,9 +290,9 @@ class AttentionRouter(nn.Module):
             last.weight.mul_(0.01)
             last.bias.fill_(init_logit)
 
-    def forward(self, k, prompt_lengths=None):
+    def forward(self, k, prompt_lengths=None, check=True):
         """k (B, Hkv, S, D) key states before RoPE, prompt_lengths (B,) int: the tokens it may read
-        (None = all S).
+        (None = all S). check=False: the caller has checked prompt_lengths (boundary_pool).
 
         Returns log α (B, Hkv) float32. The MLPs run in float32 whatever k's dtype (bf16 keys are
         fine); keep the router's parameters float32 too, e.g. cast the backbone before attaching.
@@ -297,7 +304,8 @@ class AttentionRouter(nn.Module):
         if prompt_lengths is None:
             prompt_lengths = torch.full((B,), S, dtype=torch.long, device=k.device)
 
-        return self.logits(boundary_pool(k, prompt_lengths, self.pool_tokens, self.pool_skip))  # (B, Hkv, D) fp32
+        pooled = boundary_pool(k, prompt_lengths, self.pool_tokens, self.pool_skip, check)  # (B, Hkv, D) fp32
+        return self.logits(pooled)
 
     def logits(self, x):
         """What the router decides from one vector per (sample, head): x (B, H, D) → log α (B, H)
@@ -380,7 +388,7 @@ class StaticGate(nn.Module):
         super().__init__()
         self.log_alpha = nn.Parameter(torch.full((n_kv_heads,), float(init_logit)))  # the routers' start
 
-    def forward(self, k, prompt_lengths=None):
+    def forward(self, k, prompt_lengths=None, check=True):
         return self.log_alpha.float().expand(k.shape[0], -1)     # (B, Hkv)
 
 # -----------------------------------------------------------------------------
@@ -390,13 +398,13 @@ SENSITIVE_TARGET = 0.7   # QA / retrieval: accuracy collapses past ~0.7 sparse h
 ROBUST_TARGET = 1.0      # summarisation, code, ICL: let the model go as sparse as it likes
 
 
-def omega_msr(z):
+def omega_msr(z, check=True):
     """Ω_MSR per sample = 1 − mean z over layers and KV heads: z (L, B, Hkv), or a list of L
     per-layer (B, Hkv), -> (B,) float32.
 
     With the hard z of the training gate this is the exact fraction of SPARSE heads, and it
     carries the straight-through gradient back to every router's log α. z must lie in [0, 1]
-    (1 = FULL): outside it the "fraction" could be −1 or 2.
+    (1 = FULL): outside it the "fraction" could be −1 or 2 (check=False: the caller knows it does).
     """
     if isinstance(z, (list, tuple)):
         if len(z) == 0:
@@ -409,7 +417,7 @@ def omega_msr(z):
         raise ValueError(f"z must be a non-empty (L, B, Hkv) tensor or a list of (B, Hkv), got "
                          f"{tuple(z.shape) if isinstance(z, torch.Tensor) else type(z)}")
     z = z.float()
-    if masks.checking_values() and not ((z >= 0) & (z <= 1)).all():   # also catches NaN; one host sync
+    if check and not ((z >= 0) & (z <= 1)).all():   # also catches NaN; one host sync
         raise ValueError(f"z must be in [0, 1] (1 = FULL), got values from {z.min().item()} to "
                          f"{z.max().item()}{' and NaN' if z.isnan().any() else ''}")
     return 1.0 - z.mean(dim=(0, 2))                                   # (B,)
@@ -443,12 +451,13 @@ class SparsityLagrangian(nn.Module):
         self.lambda1 = nn.Parameter(torch.zeros(num_tasks))      # (T,)
         self.lambda2 = nn.Parameter(torch.zeros(num_tasks))      # (T,)
 
-    def forward(self, omega, task_ids, task_counts=None):
+    def forward(self, omega, task_ids, task_counts=None, check=True):
         """omega (B,) Ω_MSR per sample, task_ids (B,) long -> scalar term. B >= 1.
 
         task_counts (T,): samples per task in the whole batch when this call sees only a shard of
         it (data parallel). The result is then this shard's share: the shares of all shards add up
-        to the term of the whole batch, exactly (an empty shard's share is 0)."""
+        to the term of the whole batch, exactly (an empty shard's share is 0). check=False: the caller
+        has checked task_ids' values (a host sync; train_router.StepGraph records the step)."""
         if omega.dim() != 1 or not isinstance(task_ids, torch.Tensor) or task_ids.shape != omega.shape:
             raise ValueError(f"omega and task_ids must both be (B,), got {tuple(omega.shape)} and "
                              f"{tuple(task_ids.shape) if isinstance(task_ids, torch.Tensor) else task_ids!r}")
@@ -459,7 +468,7 @@ class SparsityLagrangian(nn.Module):
         if task_counts is not None and tuple(task_counts.shape) != (self.num_tasks,):   # would broadcast
             raise ValueError(f"task_counts must be ({self.num_tasks},), got {tuple(task_counts.shape)}")
         bad = (task_ids < 0) | (task_ids >= self.num_tasks)
-        if masks.checking_values() and bad.any():
+        if check and bad.any():
             raise ValueError(f"task ids must be in [0, {self.num_tasks}), got {task_ids[bad].unique().tolist()}")
         gap = omega - self.targets[task_ids]                                   # (B,)
         first = gap.abs() if self.abs_variant else gap

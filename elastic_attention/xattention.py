@@ -18,7 +18,7 @@ import math
 import torch
 
 from .kernels import HAS_TRITON, check_backend, check_int32_reach, resolve_backend, tl, triton
-from .masks import check_lengths, checking_values, num_blocks
+from .masks import check_lengths, num_blocks
 
 # Padding. When S is not a multiple of the block size, q and k are zero-padded to nB·block_size
 # tokens (the kernel masks its loads instead, which is the same). A zero token adds exactly 0 to any
@@ -68,7 +68,7 @@ def check_threshold(threshold):
         raise ValueError(f"threshold must be a number in (0, 1], got {threshold!r}")
 
 
-def xattention_scores_reference(q, k, block_size, stride=16, lengths=None):
+def xattention_scores_reference(q, k, block_size, stride=16, lengths=None, check=True):
     """XAttention block scores, the obvious dense way. q (B, Hq, S, D), k (B, Hkv, S, D) →
     (B, Hkv, nB, nB) float32 (float64 if given float64): entry [b, h, m, n] is the estimated softmax
     mass that the query groups of block m put on key block n, max over the G query heads of KV head h.
@@ -82,7 +82,8 @@ def xattention_scores_reference(q, k, block_size, stride=16, lengths=None):
     keeps 1/T of it, the antidiagonals; the Triton kernel computes only those, S²·D/T work.
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
-    check_lengths(lengths, B, S)
+    if check:
+        check_lengths(lengths, B, S)
     G, T = Hq // Hkv, stride
     nB = num_blocks(S, block_size)
     g, nG = block_size // T, nB * block_size // T
@@ -225,7 +226,7 @@ if HAS_TRITON:
 
 
 def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None, *, BLOCK_M=None, BLOCK_N=None,
-                      BLOCK_K=None, num_warps=8, num_stages=None):
+                      BLOCK_K=None, num_warps=8, num_stages=None, check=True):
     """Same contract as xattention_scores_reference (float32 (B, Hkv, nB, nB); lengths (B,) optional;
     float32 inputs multiply in TF32 on a GPU, tl.dot's default, enough to rank blocks), by the Triton
     kernel: no S×S and no (S/T)² matrix, the antidiagonal products computed once. In
@@ -244,7 +245,8 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
     change no result beyond summation order.
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
-    check_lengths(lengths, B, S)
+    if check:
+        check_lengths(lengths, B, S)
     g = block_size // stride            # a power of two: stride divides the power-of-two block_size
     BLOCK_D = max(16, 1 << (D - 1).bit_length())                    # D rounded up to a power of two
     # The scoring is a matmul with an inner dimension of T·D, whose speed on a GPU is set by the
@@ -271,7 +273,7 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
                 or (hi is not None and value > hi):
             raise ValueError(f"{name} must be a power of two >= {lo}{f' and <= {hi}' if hi else ''}, got {value!r}")
     if resolve_backend(backend, q.dtype, q.is_cuda, D) != "triton":
-        return xattention_scores_reference(q, k, block_size, stride, lengths)
+        return xattention_scores_reference(q, k, block_size, stride, lengths, check=False)
     check_int32_reach(q=q, k=k)
 
     G = Hq // Hkv
@@ -300,7 +302,7 @@ def xattention_scores(q, k, block_size, stride=16, backend="auto", lengths=None,
     return out
 
 
-def xattention_select(block_scores, threshold=0.9):
+def xattention_select(block_scores, threshold=0.9, check=True):
     """Block scores (B, Hkv, nB, nB) → bool block mask (B, Hkv, nB, nB), causal at block level.
     Per query-block row: the sink block 0 and the diagonal block always; then the other causal
     blocks best first, each taken while the mass kept so far is below threshold × row total, so the
@@ -314,7 +316,7 @@ def xattention_select(block_scores, threshold=0.9):
             or block_scores.shape[-1] != block_scores.shape[-2] or not block_scores.is_floating_point():
         raise ValueError(f"block_scores must be a float tensor (B, Hkv, nB, nB), got "
                          f"{tuple(block_scores.shape) if isinstance(block_scores, torch.Tensor) else type(block_scores)}")
-    if checking_values() and not bool(((block_scores >= 0) & (block_scores < math.inf)).all()):   # a host sync
+    if check and not bool(((block_scores >= 0) & (block_scores < math.inf)).all()):   # a host sync
         raise ValueError("block_scores must be finite and >= 0 (softmax mass): a NaN or negative block is never picked")
     nB = block_scores.shape[-1]
     m = torch.arange(nB, device=block_scores.device).view(nB, 1)   # query block
@@ -336,22 +338,24 @@ def xattention_select(block_scores, threshold=0.9):
     return keep | forced
 
 
-def xattention_block_mask(q, k, block_size, stride=16, threshold=0.9, backend="auto", lengths=None):
+def xattention_block_mask(q, k, block_size, stride=16, threshold=0.9, backend="auto", lengths=None, check=True):
     """XAttention block mask for causal prefill: q (B, Hq, S, D), k (B, Hkv, S, D) → bool
     (B, Hkv, nB, nB), ready for hybrid_mask / hybrid_attention(block_mask=..., block_size=...).
     Use the keys and queries the attention itself sees (after RoPE). Not differentiable.
 
     lengths (B,): right padding after lengths[b] real tokens. Every block row that covers a real
     token is then the row sample b alone would get (rows made only of padding cover no real query).
+    check=False: the caller has checked lengths (the model's layers: its forward did).
     """
     B, Hq, Hkv, S, D = check_xattention_args(q, k, block_size, stride)
     check_threshold(threshold)
     check_backend(backend)
-    check_lengths(lengths, B, S)
+    if check:
+        check_lengths(lengths, B, S)
     nB = num_blocks(S, block_size)
     if nB <= 2 or threshold >= 1.0:   # nothing to choose: every causal block is forced or wanted → FULL
         idx = torch.arange(nB, device=q.device)
         return (idx.view(1, nB) <= idx.view(nB, 1)).expand(B, Hkv, nB, nB).clone()
     with torch.no_grad():
-        scores = xattention_scores(q, k, block_size, stride, backend, lengths)  # (B, Hkv, nB, nB)
-    return xattention_select(scores, threshold)
+        scores = xattention_scores(q, k, block_size, stride, backend, lengths, check=False)  # (B, Hkv, nB, nB)
+    return xattention_select(scores, threshold, check)   # a NaN in q or k makes NaN scores

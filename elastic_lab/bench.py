@@ -504,9 +504,8 @@ def decode_table(args):
                                ideal=full_bytes / compact, **dense)
                     ref = measure(rec, "masked", lambda: masked_decode(q, k, v, modes, sink, window), None, args)
                     def ours():   # the cache's extents are exact: no host sync to check them, as in the model
-                        with masks.values_checked():
-                            return decode.decode_attention(q, cache.k[0], cache.v[0], cache.start[0], cache.cap[0],
-                                                           S, **cache.extents(0, S))
+                        return decode.decode_attention(q, cache.k[0], cache.v[0], cache.start[0], cache.cap[0],
+                                                       S, **cache.extents(0, S), check=False)
                     measure(rec, "ours", ours, ref, args, args.cudagraph)
                     if frac == 0 and o_sdpa is not None and ref is not None:
                         rec["sdpa_diff"] = max_diff(o_sdpa, ref)

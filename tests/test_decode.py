@@ -219,9 +219,9 @@ def test_decode_kernel_equals_reference(case):
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEVICE, dtype)
     start, cap = start.view(B, Hkv).to(DEVICE), cap.to(DEVICE)
     out = decode.decode_attention(q, k, v, start, cap, n_tokens, keys_per_split=keys_per_split)
-    with masks.values_checked():   # the grid sized from exact hints, as KVCache gives them: the same launch
-        hinted = decode.decode_attention(q, k, v, start, cap, n_tokens, keys_per_split=keys_per_split,
-                                         max_cap=max(caps), live_rows=sum(min(c, n_tokens) for c in caps))
+    # the grid sized from exact hints, unchecked, as KVCache gives them: the same launch
+    hinted = decode.decode_attention(q, k, v, start, cap, n_tokens, keys_per_split=keys_per_split,
+                                     max_cap=max(caps), live_rows=sum(min(c, n_tokens) for c in caps), check=False)
     assert torch.equal(out, hinted)
     ref = decode.decode_attention_reference(q.double(), k.double(), v.double(), start, cap, n_tokens)
     err = (out.double() - ref).abs()

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import elastic_attention
-from elastic_attention import masks
+from elastic_attention import kernels, masks
 from elastic_attention.masks import FULL, STREAMING
 
 SETTINGS = settings(max_examples=10, deadline=None)
@@ -188,8 +188,8 @@ def test_config_backend_reaches_xattention_scoring_and_decode(backend, monkeypat
     seen = []
     score = xattention.xattention_scores
     monkeypatch.setattr(xattention, "xattention_scores",
-                        lambda q, k, bs, stride, backend, lengths: seen.append(("xa", backend))
-                        or score(q, k, bs, stride, backend, lengths))
+                        lambda q, k, bs, stride, backend, lengths, **kw: seen.append(("xa", backend))
+                        or score(q, k, bs, stride, backend, lengths, **kw))
     attend = decode.KVCache.attend
     monkeypatch.setattr(decode.KVCache, "attend",
                         lambda self, *args: seen.append(("decode", self.backend)) or attend(self, *args))
@@ -410,9 +410,9 @@ def test_model_refuses_what_would_fail_deeper_or_silently():
 
 
 def test_model_checks_its_layers_inputs_once_and_routers_outputs_after_them():
-    """Inside the forward the layers skip the value checks (masks.values_checked: no host syncs),
-    so the entry names what they would have: a prompt inside the skipped preamble, and after the
-    layers a router whose log α is NaN (its gates would have called the heads sparse)."""
+    """The layers check no values (each would be a host sync per layer), so the entry names what
+    they would have: a prompt inside the skipped preamble, and after the layers a router whose log α
+    is NaN (its gates would have called the heads sparse)."""
     cfg = tiny(pool_skip=3)
     model, idx = model_and_tokens(cfg, 2, 8)
     model.attach_routers()
@@ -430,31 +430,67 @@ def test_model_checks_its_layers_inputs_once_and_routers_outputs_after_them():
             model(idx)
 
 
-def test_a_routed_forward_reads_none_of_its_own_modes_back(monkeypatch):
-    """The modes a forward makes are valid by construction. Reading them back is a host sync per
-    layer on a GPU (30 per SmolLM2 step run op by op): the layers and the Ω_ESR summary after them
-    skip it."""
-    model, idx = model_and_tokens(tiny(), 2, 8)
+def test_a_forward_reads_given_modes_once_and_its_own_never(monkeypatch):
+    """Given modes are read once for all layers. The modes a routed forward makes are valid by
+    construction; reading them back would be a host sync per layer on a GPU (30 per SmolLM2 step run
+    op by op): neither the layers nor the Ω_ESR summary after them do."""
+    cfg = tiny()
+    model, idx = model_and_tokens(cfg, 2, 8)
+    reads, check = [], masks.check_mode_values
+    monkeypatch.setattr(masks, "check_mode_values", lambda *args, **kw: reads.append(args) or check(*args, **kw))
+    model(idx, modes=torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, dtype=torch.int32))
+    assert len(reads) == 1
     model.attach_routers()
-    reads = []
-    monkeypatch.setattr(masks, "check_mode_values", lambda *args, **kwargs: reads.append(args))
     _, info = model(idx, lengths=torch.tensor([8, 5]))
-    assert reads == [] and info["omega_esr"].shape == (2,)
+    assert len(reads) == 1 and info["omega_esr"].shape == (2,)
     masks.check_modes(torch.zeros(1, 2, dtype=torch.int32), 1, 2, block_mask_given=False)
-    assert len(reads) == 1                             # outside a forward the check still runs
+    assert len(reads) == 2                             # called directly, the check runs
 
 
-def test_values_checked_skips_value_checks_only_inside_and_only_those():
+def test_a_forward_reads_values_at_its_entry_not_in_every_layer(monkeypatch):
+    """A value read on the host is a GPU sync, and a CUDA graph cannot record one. The forward checks
+    its inputs once and its layers trust them: a model twice as deep reads no more values, and
+    check=False (what train_router.StepGraph records) reads none. The "reference" backend: "torch"
+    asks in every layer whether the heads share a mode (a sync that picks the kernel, not a check)."""
+    reads = []
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real: reads.append(1) or _real(t, *a))
+    counts = []
+    for n_layers in (2, 4):
+        model, idx = model_and_tokens(tiny(n_layers=n_layers, backend="reference"), 2, 16)
+        model.attach_routers()
+        lengths, noise = torch.tensor([16, 12]), torch.rand(n_layers, 2, 2)
+        for train in (True, False):
+            model.train(train)
+            reads.clear()
+            model(idx, lengths=lengths, gate_noise=noise)
+            counts.append(len(reads))
+        model.train()
+        reads.clear()
+        model(idx, lengths=lengths, gate_noise=noise, check=False)
+        assert reads == []
+    assert counts[:2] == counts[2:] and min(counts) > 0, counts
+
+
+def test_the_checks_name_bad_values_wherever_they_are_called():
+    """check_modes and check_lengths read the values every time; the functions the model's layers
+    call check them too unless told the caller has (check=False)."""
     bad_modes = torch.full((1, 2), 7, dtype=torch.int32)
     with pytest.raises(ValueError, match="modes must be in"):
         masks.check_modes(bad_modes, 1, 2, block_mask_given=True)
-    with masks.values_checked():
-        masks.check_modes(bad_modes, 1, 2, block_mask_given=True)    # values: skipped
-        masks.check_lengths(torch.tensor([0]), 1, 4)
-        with pytest.raises(ValueError, match="shape"):            # shapes: still checked
-            masks.check_modes(bad_modes, 1, 3, block_mask_given=True)
+    with pytest.raises(ValueError, match="shape"):
+        masks.check_modes(bad_modes, 1, 3, block_mask_given=True)
     with pytest.raises(ValueError, match=r"lengths must be in \[1, S=4\]"):
-        masks.check_lengths(torch.tensor([0]), 1, 4)              # checked again after the block
+        masks.check_lengths(torch.tensor([0]), 1, 4)
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="modes must be in"):
+        kernels.hybrid_attention(q, k, k, bad_modes, 2, 5, backend="reference")
+    with pytest.raises(ValueError, match="modes must be in"):
+        masks.hybrid_mask(4, bad_modes, 2, 5)
+    with pytest.raises(ValueError, match=r"lengths must be in \[1, S=4\]"):
+        masks.kept_pairs(4, torch.zeros(1, 2, dtype=torch.int32), 2, 5, lengths=torch.tensor([5]))
 
 
 @pytest.mark.parametrize("head_config", ["FA-XA", "XA-SSA", "XA-XA"])
