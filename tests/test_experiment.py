@@ -3,6 +3,7 @@ and the retrieval score it ranks heads by."""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,15 @@ def ctrl_c(args, header=1, sig=signal.SIGINT, at="step | loss", said="interrupte
     rest, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0 and said in rest and "Traceback" not in rest, rest[-2000:]
     return rest
+
+
+def test_a_diverging_run_stops_in_one_line(quick_run, tmp_path):
+    """A router lr of 1e30 makes log α NaN within a step or two: one error line naming the step."""
+    out, _ = quick_run
+    proc = run_script("--backbone", str(out / "backbone.pt"), *QUICK[2:], "--router-lr", "1e30", "--no-static",
+                      "--out", str(tmp_path))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.search(r"error: step \d+: the loss is nan", proc.stderr), proc.stderr[-2000:]
 
 
 def test_sigterm_saves_as_ctrl_c_does_and_says_so_at_any_stage(quick_run, tmp_path):
