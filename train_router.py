@@ -294,6 +294,9 @@ def settings_from(args):
         fail(f"--device must be cpu, cuda or cuda:N, got {P['device']!r}")
     if P["device"].startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {P['device']} but no CUDA device is available (use --device cpu)")
+    if P["device"].startswith("cuda:") and not (P["device"][5:].isdigit()
+                                                and int(P["device"][5:]) < torch.cuda.device_count()):
+        fail(f"--device {P['device']}: this machine has cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if P["backend"] == "triton" and not P["device"].startswith("cuda") and not kernels.interpreting():
         fail("--backend triton on a CPU runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
              "(e.g. TRITON_INTERPRET=1 python train_router.py --smoke --backend triton), or use --backend torch")
@@ -476,7 +479,10 @@ def make_out_dir(args, rank):
         fail(f"cannot create the output folder {out_dir!r}: {e.strerror}")
     if rank:
         return run_name, out_dir, None
-    lock = open(os.path.join(out_dir, ".lock"), "w")
+    try:
+        lock = open(os.path.join(out_dir, ".lock"), "w")
+    except OSError as e:
+        fail(f"cannot write into the output folder {out_dir!r}: {e.strerror}")
     if fcntl is not None:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -697,6 +703,8 @@ def resume_from(run, path, settings, static, steps, state):
             diff.append(f"{k} saved {saved.get(k)!r}, now {v!r}")
     if diff:
         fail(f"{path!r} was trained with other settings: " + "; ".join(diff))
+    if isinstance(ckpt["step"], bool) or not isinstance(ckpt["step"], int) or ckpt["step"] < 0:
+        fail(f"{path!r}: its step must be a whole number >= 0, got {ckpt['step']!r}")
     if ckpt["step"] > steps:
         fail(f"{path!r} has run {ckpt['step']} steps, more than --steps {steps}")
     try:
@@ -1414,10 +1422,14 @@ def write_report(run, t_start, summary):
     report.plots(summary, run.out_dir)
     report.print_table(summary)
     print(f"outputs in {run.out_dir}/: results.json, model.pt (backbone + routers), router.pt"
-          f"{', static.pt' if not run.args.no_static else ''}{', backbone.pt' if trains_backbone(run.P) else ''}, plots")
+          f"{', static.pt' if not run.args.no_static else ''}{', backbone.pt' if trains_backbone(run.P) else ''}"
+          f"{', plots' if report.can_plot() else ''}")
 
 
 if __name__ == "__main__":
     for stream in (sys.stdout, sys.stderr):   # a non-UTF-8 locale prints Ω as \u03a9, not a traceback
         stream.reconfigure(errors="backslashreplace")
-    main()
+    try:
+        main()
+    except OSError as e:   # a full disk, an unwritable folder: what was saved before stays whole
+        fail(e)

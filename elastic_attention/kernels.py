@@ -47,7 +47,7 @@ BACKENDS = ("auto", "reference", "torch", "triton")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read once: @triton.jit reads it as this file loads
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")  # as Triton reads it, once
 
 
 def interpreting():

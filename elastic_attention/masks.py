@@ -158,6 +158,8 @@ def check_qkv(q, k, v):
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
     B, Hq, S, D = q.shape

@@ -834,9 +834,12 @@ def write_atomic(path, write, check=None):
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename: a crash cannot leave path renamed but empty
+            try:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename: a crash cannot leave path renamed but empty
+            except (OSError, RuntimeError) as e:   # a full disk: torch.save raises RuntimeError
+                raise OSError(f"cannot write {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
         os.chmod(tmp, 0o666 & ~_UMASK)
         if check is not None:
             check(tmp)
@@ -866,6 +869,8 @@ def read_checkpoint(path, map_location="cpu", keys=("config", "model")):
     expected = f"expected a dict with the keys {', '.join(map(repr, keys))}"
     if os.path.isdir(path):
         raise ValueError(f"checkpoint {path!r} is a directory; {expected} in a file")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"checkpoint {path!r} is empty (0 bytes); {expected}")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:   # torch.load fails in many ways (zip, pickle, OS errors); all mean "unreadable"

@@ -9,6 +9,7 @@ Scores: accuracy in % of answer tokens (synthetic tasks) or of exact answers (re
 a next-token NLL in nats for tasks whose metric is "nll" (lower is better).
 """
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -215,15 +216,18 @@ def savefig(fig, path):
     elastic_attention.write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
+def can_plot():
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def plots(summary, out_dir):
     """The five figures of one run, as PNG files in out_dir (nothing without matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if not can_plot():
         print("matplotlib not installed: no plots")
         return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     targets = dict(zip(("sensitive", "robust"), summary["settings"]["targets"]))
     targets["sensitive"] = summary.get("calibration", {}).get("sensitive_target", targets["sensitive"])  # resolves 'auto'
     c = dict(res=summary["results"], tasks=list(summary["tasks"]), cats=summary["tasks"], metrics=summary["metrics"],

@@ -147,7 +147,10 @@ def fetch_gguf(cache_dir=None):
     cache_dir = cache_dir or default_cache_dir()
     path = os.path.join(cache_dir, GGUF_NAME)
     if os.path.exists(path):
-        return verify_gguf(path)
+        try:
+            return verify_gguf(path)
+        except ValueError as e:
+            raise ValueError(f"{e}; the cached file is not the model: delete it and run again") from None
     os.makedirs(cache_dir, exist_ok=True)
     pieces = sorted(glob.glob(glob.escape(path) + ".part-*"))
     if pieces:  # copied in pieces (`split -b 48M file file.part-`): join them, then check the whole

@@ -113,9 +113,12 @@ def test_read_checkpoint_with_other_keys(tmp_path):
     assert elastic_attention.read_checkpoint(path)["step"] == 3
 
 
-@pytest.mark.parametrize("what", ["readme", "tensor", "directory"])
+@pytest.mark.parametrize("what", ["readme", "tensor", "directory", "empty"])
 def test_files_that_are_not_checkpoints(tmp_path, what):
-    if what == "readme":
+    if what == "empty":
+        path, match = str(tmp_path / "e.pt"), r"is empty \(0 bytes\)"
+        open(path, "wb").close()
+    elif what == "readme":
         path, match = os.path.join(ROOT, "README.md"), "not a file written by torch.save"
     elif what == "tensor":
         path, match = str(tmp_path / "t.pt"), "holds a Tensor"

@@ -222,7 +222,7 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     (["--smoke", "--eval-per-task", "10"], "--eval-per-task 10 is not a whole number of evaluation batches of 8"),
     (["--smoke", "--calib-per-task", "10"], "--calib-per-task 10 is not a whole number of evaluation batches of 8"),
     (["--smoke", "--preset", "gpu"], "--smoke is a cut-down tiny preset"),
-] + ([] if torch.cuda.is_available() else [
+] + ([(["--device", "cuda:99"], "this machine has cuda:0 to")] if torch.cuda.is_available() else [
     (["--device", "cuda:0"], "no CUDA device is available"),
     (["--preset", "gpu", "--device", "cpu"], "hours on a CPU"),
 ]))
@@ -282,6 +282,8 @@ def test_resume_refuses_other_backbones_lengths_and_files(quick_run, pickle_payl
     out, _ = quick_run
     good = torch.load(out / "router.pt", weights_only=True)
     torch.save({k: v for k, v in good.items() if k != "lagrangian"}, tmp_path / "no-lambda.pt")
+    torch.save(dict(good, step="30"), tmp_path / "step-text.pt")
+    torch.save(dict(good, step=-10), tmp_path / "step-negative.pt")
     (tmp_path / "cut.pt").write_bytes((out / "router.pt").read_bytes()[:5000])
     evil = pickle_payload[0](tmp_path / "evil.pt", ["config", "model", *good])
     backbone = ["--backbone", str(out / "backbone.pt")]
@@ -290,6 +292,8 @@ def test_resume_refuses_other_backbones_lengths_and_files(quick_run, pickle_payl
             ([*backbone, "--resume", str(out / "router.pt"), "--seq-len", "320"], "seq_len saved 256, now 320"),
             ([*backbone, "--resume", str(out / "router.pt"), "--steps", "2"], "has run 3 steps, more than --steps 2"),
             ([*backbone, "--resume", str(tmp_path / "no-lambda.pt")], "expected a dict with the keys"),
+            ([*backbone, "--resume", str(tmp_path / "step-text.pt")], "its step must be a whole number >= 0, got '30'"),
+            ([*backbone, "--resume", str(tmp_path / "step-negative.pt")], "its step must be a whole number >= 0, got -10"),
             ([*backbone, "--resume", str(tmp_path / "cut.pt")], "a torch file that is truncated or damaged"),
             ([*backbone, "--resume", evil], "could run code"),
             (["--backbone", evil], "could run code")):

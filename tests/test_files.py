@@ -93,6 +93,24 @@ def test_a_failing_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path):
     assert os.listdir(tmp_path) == ["table.txt"]
 
 
+def test_a_save_that_fails_as_on_a_full_disk_names_the_file(tmp_path):
+    """torch.save on a full disk raises RuntimeError (basic_ios::clear): write_atomic turns it into
+    an OSError naming the file, which the scripts print as one line, and leaves no temp file."""
+    def full_disk(f):
+        f.write(b"partial")
+        raise RuntimeError("basic_ios::clear: iostream error")
+    with pytest.raises(OSError, match=r"cannot write .*model\.pt: basic_ios::clear"):
+        elastic_attention.write_atomic(str(tmp_path / "model.pt"), full_disk)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_bad_cached_model_says_to_delete_it(tmp_path):
+    from elastic_lab import smollm2
+    (tmp_path / smollm2.GGUF_NAME).write_bytes(b"not the model")
+    with pytest.raises(ValueError, match="delete it and run again"):
+        smollm2.fetch_gguf(str(tmp_path))
+
+
 def test_two_first_fetches_into_one_cache_both_succeed(tmp_path, monkeypatch):
     from elastic_lab import smollm2
     blob = os.urandom(4 << 20)

@@ -532,7 +532,7 @@ def _ok(S=20, D=16):
 
 @pytest.mark.parametrize("change, message", [
     (lambda q, k, v, m, bm: (q.half(), k, v, m, bm, 16), "dtypes differ"),
-    (lambda q, k, v, m, bm: (q.int(), k.int(), v.int(), m, bm, 16), "supports float16"),
+    (lambda q, k, v, m, bm: (q.int(), k.int(), v.int(), m, bm, 16), "must be floating point"),
     (lambda q, k, v, m, bm: (q.double(), k.double(), v.double(), m, bm, 16), "supports float16"),
     (lambda q, k, v, m, bm: (q, k.to("meta"), v, m, bm, 16), "devices differ"),
     (lambda q, k, v, m, bm: (q[..., :8], k[..., :8], v[..., :8], m, bm, 16), "head dim"),

@@ -232,6 +232,8 @@ def test_bad_tensors_raise():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="dtypes differ"):
         kernels.hybrid_attention(q.double(), k, v, modes, 1, 2)
+    with pytest.raises(ValueError, match="must be floating point, got torch.int64"):
+        kernels.hybrid_attention(q.long(), k.long(), v.long(), modes, 1, 2)
     with pytest.raises(ValueError, match="must both be"):
         kernels.hybrid_attention(q, k[:, :, :5], v[:, :, :5], modes, 1, 2)
     with pytest.raises(ValueError, match="4-d"):
