@@ -673,7 +673,10 @@ def main(args):
               "once and is compared with ours; no times. Flex has no backward on a CPU: forward + backward "
               "is compared with SDPA's, every head FULL.")
         warnings.filterwarnings("ignore", message=".*flex_attention.*")  # eager Flex: "unfused", every call
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot make the output folder {args.out!r}: {e.strerror}")
     results = dict(env=dict(torch=torch.__version__, triton=triton.__version__,
                             device=torch.cuda.get_device_name() if CUDA else "cpu (smoke test)"),
                    args=vars(args))

@@ -231,6 +231,7 @@ def test_bench_refuses_a_long_sequence_on_a_cpu_before_making_a_folder(tmp_path)
     out = tmp_path / "bench"
     one_line_error(run("-m", "elastic_lab.bench", "--seq-lens", "256,65536", "--out", str(out)), "[65536]", "CPU")
     assert not out.exists()
+    one_line_error(run("-m", "elastic_lab.bench", "--tables", "decode", "--out", "README.md"), "cannot make")
 
 
 def test_bench_cpu_smoke_peers_agree_and_the_cache_saves_its_ideal(tmp_path):
