@@ -151,6 +151,17 @@ def test_sigterm_saves_as_ctrl_c_does_and_says_so_at_any_stage(quick_run, tmp_pa
            said="interrupted (SIGTERM): nothing saved yet")
 
 
+def test_sigterm_to_a_seeds_run_reaches_the_child_and_says_how_to_go_on(quick_run, tmp_path):
+    """--seeds: a SIGTERM to the parent alone is passed to the running child, which saves; the parent
+    then names the seed, its --resume, and no traceback from either process."""
+    out, _ = quick_run
+    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--steps", "100000", "--no-static",
+            "--seeds", "0,1", "--out", str(tmp_path)]
+    said = ctrl_c(args, sig=signal.SIGTERM, said="the run with seed 0 stopped")
+    assert f"--resume {tmp_path / 'seed0' / 'router.pt'}" in said, said[-2000:]
+    assert (tmp_path / "seed0" / "router.pt").exists() and not (tmp_path / "seed1").exists()
+
+
 def test_ctrl_c_then_resume_equals_the_uninterrupted_run(quick_run, tmp_path):
     """Ctrl-C saves router.pt after the step in flight; --resume continues it bit for bit: the same
     routers, λ, optimizer state and log as a run never interrupted (the gate noise of a step comes
@@ -214,6 +225,7 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
     (["--out", "README.md"], "is a file, not a folder"),
     (["--out", "/proc/nope"], "cannot create the output folder"),
+    (["--out", "/proc/self"], "cannot write into the output folder"),   # as a read-only folder (root ignores modes)
     (["--backbone", "README.md"], "cannot load the backbone 'README.md'"),
     (["--resume", "tiny_backbone.pt"], "is a model checkpoint"),
     (["--resume", "README.md"], "checkpoint 'README.md' is not a file written by torch.save"),
