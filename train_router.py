@@ -1092,7 +1092,7 @@ def evaluate(run, model, choose=None, seq_len=None, names=None, split="eval"):
                              logits_at=pos)
         mine.append((name, run.suite.score(name, logits, targets).float().cpu(), info["omega_msr"].float().cpu(),
                      info["omega_esr"].float().cpu(), info["omega_esr_last"].float().cpu(),
-                     torch.stack(info["z"]).float().cpu()))
+                     torch.stack(info["z"]).float().cpu(), i))
     parts = [mine]
     if run.parallel:
         parts = [None] * run.world
@@ -1100,7 +1100,7 @@ def evaluate(run, model, choose=None, seq_len=None, names=None, split="eval"):
     rows = [r for part in parts for r in part]
     results = {}
     for name in names:
-        got = [r for r in rows if r[0] == name]
+        got = sorted((r for r in rows if r[0] == name), key=lambda r: r[6])   # batch order, whatever the ranks
         cat = [torch.cat([r[i] for r in got]) for i in range(1, 5)]
         results[name] = dict(score=cat[0].mean().item(), omega_msr=cat[1].mean().item(),
                              omega_esr=cat[2].mean().item(), omega_esr_last=cat[3].mean().item(),
@@ -1120,6 +1120,25 @@ def fixed(model, order, omega):
     modes[order[:round(omega * n_heads)]] = sparse_mode
     modes = modes.view(cfg.n_layers, cfg.n_kv_heads)
     return lambda name, i: modes
+
+
+def on_order(run, model, order, routed, seq_len=None, split="eval"):
+    """choose(name, i): every input keeps the number of sparse heads Elastic gave it (routed: its
+    evaluate() on the same inputs) and takes them from `order` (least needed first). Same Ω_MSR per
+    input as Elastic; only which heads go sparse differs: it tells the count from the ranking."""
+    cfg = model.cfg
+    full_mode, sparse_mode = HEAD_CONFIGS[cfg.head_config]
+    n_heads = cfg.n_layers * cfg.n_kv_heads
+    place = torch.empty_like(order)
+    place[order] = torch.arange(n_heads)                                   # (heads,) where each head sits
+
+    def choose(name, i):
+        size = run.held_out(name, i, seq_len, split)["tokens"].shape[0]
+        omegas = torch.tensor(routed[name]["omegas"][i * size:(i + 1) * size])             # (B,)
+        sparse = place[None] < (omegas * n_heads).round()[:, None]                         # (B, heads)
+        modes = torch.where(sparse, sparse_mode, full_mode).to(model.lm_head.weight.device, torch.int32)
+        return modes.view(-1, cfg.n_layers, cfg.n_kv_heads).transpose(0, 1)                 # (L, B, Hkv)
+    return choose
 
 
 def frontier(run, model, order, points, seq_len=None, names=None, split="eval"):
@@ -1268,7 +1287,8 @@ def generalisation(run, model, orders, in_template):
 
 def evaluate_static(run, model, settings, results, progressive, points, long_len, held_out):
     """Stage 5: the trained static gates, trained to Elastic's mean Ω_MSR and deployed by rank to
-    exactly that Ω at each length and on each held-out condition. Returns (training log, gates
+    exactly that Ω at each length and on each held-out condition; and "Elastic count", each input
+    with Elastic's number of sparse heads taken in the gates' order. Returns (training log, gates
     (L, Hkv), replica difference)."""
     S = run.P["seq_len"]
     elastic_omega = mean_omega(results["elastic"])
@@ -1278,11 +1298,15 @@ def evaluate_static(run, model, settings, results, progressive, points, long_len
     order = gates.flatten().argsort().cpu()                                       # lowest log α sparse first
     for seq_len in (S, long_len) if long_len else (S,):
         tag = "" if seq_len == S else f"@{seq_len}"
-        results["static_trained" + tag] = evaluate(run, model, fixed(model, order, mean_omega(results["elastic" + tag])),
-                                                   seq_len)
+        elastic = results["elastic" + tag]
+        results["static_trained" + tag] = evaluate(run, model, fixed(model, order, mean_omega(elastic)), seq_len)
+        results["elastic_count" + tag] = evaluate(run, model, on_order(run, model, order, elastic, seq_len), seq_len)
     for condition, res in held_out.items():
-        res["static_trained"] = evaluate(run, model, fixed(model, order, mean_omega(res["elastic"])),
-                                         names=run.suite.conditions[condition], split=f"test:{condition}")
+        names, split = run.suite.conditions[condition], f"test:{condition}"
+        res["static_trained"] = evaluate(run, model, fixed(model, order, mean_omega(res["elastic"])), names=names,
+                                         split=split)
+        res["elastic_count"] = evaluate(run, model, on_order(run, model, order, res["elastic"], split=split),
+                                        names=names, split=split)
     progressive["static_trained"] = frontier(run, model, order, points)
     return static_log, gates, replica_difference(run, params) if run.parallel else None
 

@@ -24,12 +24,14 @@ import torch  # noqa: E402
 
 import elastic_attention  # noqa: E402
 
-# Fixed head sets are deployed at Elastic's mean Ω_MSR over the evaluation mix; the oracle picks one
+# Fixed head sets are deployed at Elastic's mean Ω_MSR over the evaluation mix; "Elastic count" gives
+# each input Elastic's number of sparse heads, in the trained static gates' order; the oracle picks one
 # set per category with the task label; the swap control runs sensitive inputs with a robust input's
 # routing.
 METHODS = [("dense", "dense"), ("elastic", "Elastic"), ("static", "static score"),
-           ("static_trained", "static trained"), ("router_set", "Elastic's set"), ("oracle", "oracle by cat."),
-           ("keyword", "keyword rule"), ("swap", "swap control"), ("all_sparse", "all sparse")]
+           ("static_trained", "static trained"), ("router_set", "Elastic's set"), ("elastic_count", "Elastic count"),
+           ("oracle", "oracle by cat."), ("keyword", "keyword rule"), ("swap", "swap control"),
+           ("all_sparse", "all sparse")]
 RANKINGS = {"score": "retrieval score", "router_set": "routers' FULL rate", "static_trained": "trained static gate"}
 
 
@@ -111,21 +113,23 @@ def margins(runs):
     tasks = [t for t, c in first["tasks"].items() if c == "sensitive" and first["metrics"][t] == "accuracy"]
     if not tasks:
         return []
-    lines = ["Elastic minus each method, points, paired by seed: mean±sd (mean/sd)",
+    lines = ["Elastic minus each method (last row: Elastic count minus static trained), points, paired by seed: "
+             "mean±sd (mean/sd)",
              f"{'method':<15}" + "".join(f"{t[:16]:<17}" for t in tasks) + "sensitive mean"]
     for tag in [""] + [k[len("elastic"):] for k in first["results"] if k.startswith("elastic@")]:
         if tag:
             lines.append(f"evaluated at {tag[1:]} tokens:")
-        for method in ("static", "static_trained", "router_set", "oracle"):
-            if any(k not in r["results"] for r in runs for k in (method + tag, "elastic" + tag)):
+        pairs = [("elastic", m, dict(METHODS)[m]) for m in ("static", "static_trained", "router_set", "oracle")]
+        for base, method, label in pairs + [("elastic_count", "static_trained", "count − trained")]:
+            if any(k not in r["results"] for r in runs for k in (method + tag, base + tag)):
                 continue
-            gaps = [[100 * (r["results"]["elastic" + tag][t]["score"] - r["results"][method + tag][t]["score"])
+            gaps = [[100 * (r["results"][base + tag][t]["score"] - r["results"][method + tag][t]["score"])
                      for t in tasks] for r in runs]                                    # (seeds, tasks)
             cells = []
             for d in [[g[i] for g in gaps] for i in range(len(tasks))] + [[statistics.mean(g) for g in gaps]]:
                 mu, sd = statistics.mean(d), statistics.stdev(d)
                 cells.append(f"{mu:+.1f}±{sd:.1f} ({mu / sd:.1f})" if sd else f"{mu:+.1f}±0.0")
-            lines.append(f"{dict(METHODS)[method]:<15}" + "".join(f"{c:<17}" for c in cells).rstrip())
+            lines.append(f"{label:<15}" + "".join(f"{c:<17}" for c in cells).rstrip())
     return lines
 
 
@@ -184,21 +188,24 @@ def held_out_table(runs):
                             for t in names)
             lines.append(f"{label:<15}{cells}")
         scored = [t for t in sens if metrics[t] == "accuracy"]
-        if scored:
+        others = ("static", "static_trained", "router_set", "keyword", "oracle", "dense")
+        for base, keys in (("elastic", others), ("elastic_count", ("static_trained", "dense"))):
+            if not scored or not all(base in r["held_out"][condition] for r in runs):
+                continue
             cells = []
-            for key in ("static", "static_trained", "router_set", "keyword", "oracle", "dense"):
+            for key in keys:
                 if not all(key in r["held_out"][condition] for r in runs):
                     continue
                 gaps, wins, losses = [], 0, 0
                 for r in runs:
                     h = r["held_out"][condition]
-                    a = [x for t in scored for x in h["elastic"][t]["scores"]]
+                    a = [x for t in scored for x in h[base][t]["scores"]]
                     b = [x for t in scored for x in h[key][t]["scores"]]
                     gaps.append(100 * (statistics.mean(a) - statistics.mean(b)))
                     wins += sum(x > y for x, y in zip(a, b))
                     losses += sum(x < y for x, y in zip(a, b))
                 cells.append(f"{dict(METHODS)[key]} {_ms(gaps, 1, '+')} (+{wins}/-{losses}, p {sign_test(wins, losses):.2g})")
-            lines.append("  Elastic minus, sensitive families: " + "; ".join(cells))
+            lines.append(f"  {dict(METHODS)[base]} minus, sensitive families: " + "; ".join(cells))
     return "\n".join(lines)
 
 

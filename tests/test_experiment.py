@@ -46,8 +46,8 @@ def test_pipeline_writes_sane_outputs(quick_run):
     for name in ("backbone.pt", "router.pt", "static.pt", "model.pt"):  # plain data: loads without unpickling code
         assert isinstance(torch.load(out / name, weights_only=True), dict), name
     res = json.loads((out / "results.json").read_text())
-    assert set(res["results"]) == {"dense", "elastic", "static", "static_trained", "router_set", "oracle", "swap",
-                                   "all_sparse"}
+    assert set(res["results"]) == {"dense", "elastic", "static", "static_trained", "router_set", "elastic_count",
+                                   "oracle", "swap", "all_sparse"}
     for method, per_task in res["results"].items():
         assert set(per_task) == set(tasks.SENSITIVE if method == "swap" else tasks.TASK_NAMES)
         for r in per_task.values():
@@ -62,6 +62,9 @@ def test_pipeline_writes_sane_outputs(quick_run):
         omegas = {round(r["omega_msr"], 9) for r in res["results"][method].values()}
         assert len(omegas) == 1 and abs(omegas.pop() - elastic) <= 0.5 / n_heads + 1e-9, method
     assert len(res["static_trained_gates"]) == res["settings"]["config"]["n_layers"]
+    # Elastic count: Elastic's number of sparse heads for each input, in another order.
+    for t in tasks.TASK_NAMES:
+        assert res["results"]["elastic_count"][t]["omegas"] == res["results"]["elastic"][t]["omegas"], t
     # The oracle: one set per category, at Elastic's Ω of that category (up to one head).
     for c in ("sensitive", "robust"):
         names = tasks.SENSITIVE if c == "sensitive" else tasks.ROBUST
@@ -341,6 +344,41 @@ def test_routing_reads_the_prompt_only(quick_run):
                 assert torch.equal(m_whole[i:i + 1], m_alone)
         _, leaky = model(b["tokens"])  # pooling the answers too: the decisions are not the same input's
     assert any(not torch.allclose(a, c) for a, c in zip(whole["log_alpha"], leaky["log_alpha"]))
+
+
+def test_elastic_count_on_the_routers_own_ranking_is_elastic(tmp_path):
+    """Ranked routers deployed by one global count decide two things per input: how many heads go
+    sparse, and (from one shared ranking) which. on_order with that ranking must give back exactly
+    Elastic's modes, scores and Ω, batch by batch: so "Elastic count" on another order changes only
+    which heads. Random ranking and a strong count router, so inputs get different counts."""
+    sys.path.insert(0, ROOT)
+    import train_router as tr
+    args = tr.build_parser().parse_args(["--router", "ranked", "--deploy", "global", "--eval-per-task", "8",
+                                         "--out", str(tmp_path)])
+    P, _ = tr.settings_from(args)
+    P["eval_batch"] = 4                                              # two batches per task: the offsets matter
+    suite, _, cfg = tr.load_suite(P, args, 0, 1)
+    model, _ = elastic_attention.load_checkpoint(P["backbone"], cfg, map_location="cpu")
+    torch.manual_seed(0)
+    model.attach_routers(ranked=True)
+    run = tr.Run(P, args, torch.device("cpu"), suite, str(tmp_path))
+    model.eval()
+    tr.fit_router_inputs(run, model)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.router.log_alpha.normal_(0, 0.5)
+        last, first = model.shift_router.router_mlp[-1], model.layers[0]
+        last.weight.mul_(3e4)                                            # shifts of ±1 or so between inputs,
+        b = run.held_out(suite.names[0], 0, split="calib")
+        k = first.self_attn.router_keys(first.input_layernorm(model.embed_tokens(b["tokens"])))
+        last.bias -= model.shift_router(k, b["prompt_lengths"]).mean()   # around no shift
+    elastic = tr.evaluate(run, model)
+    assert len({w for r in elastic.values() for w in r["omegas"]}) > 2, "the counts should differ between inputs"
+    ranking = torch.stack([layer.self_attn.router.log_alpha.detach() for layer in model.layers]).flatten()
+    again = tr.evaluate(run, model, tr.on_order(run, model, ranking.argsort(stable=True), elastic))
+    for t in suite.names:
+        for key in ("scores", "omegas", "full_frac"):
+            assert again[t][key] == elastic[t][key], (t, key)
 
 
 def test_backbone_stages_train_shortest_first(tmp_path):
