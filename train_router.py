@@ -361,6 +361,8 @@ class Run:
     rank: int = 0            # data parallel (torchrun): this process and how many there are
     world: int = 1
     cache: dict = field(default_factory=dict)   # held-out batches, built once: every method sees the same
+    bar: tqdm = None         # the evaluation stage's progress bar: evaluate() counts its batches on it
+    t_batch: float = None    # seconds per evaluation batch, measured while calibrating (the run's estimate)
 
     @property
     def main(self):
@@ -886,7 +888,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
             "gate draws passing gradient | lr | ms")
     bar = tqdm(range(start, steps), desc="static gates" if static else "routers", mininterval=2,
                initial=start, total=steps, disable=not run.main)
-    t0 = time.time()
+    t0 = t_pace = time.time()
     for step, b in zip(bar, train_batches(run, start, steps)):
         if cfg.gate == "gumbel":
             model.set_gumbel_tau(router_lib.tau_cosine(step / steps))
@@ -895,6 +897,10 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
         row["ms"] = 1000 * (time.time() - t0)  # wall time, data waits included
         t0 = time.time()
         train_log.append(row)
+        if step == start + 4:   # the first steps warm up (a CUDA graph records): the pace from the fifth on
+            t_pace = time.time()
+        if step == start + 14 and run.main and not static and run.t_batch:
+            print_estimate(run, (time.time() - t_pace) / 10)
         bar.set_postfix(lm=f"{row['lm']:.3f}", omega=f"{row['omega_sensitive']:.2f}/{row['omega_robust']:.2f}")
         if run.main and (step % 100 == 0 or step == steps - 1):
             tqdm.write(f"{step:4d} | {row['loss']:.4f} | {row['lm']:.4f} | {row['reg']:+.4f} | "
@@ -1065,6 +1071,40 @@ def auto_target(run, model, score_order):
             "to there")
     return target, curve
 
+def evaluation_plan(run):
+    """How many batches evaluate() runs in stage 4 (every method, the swap control, the frontiers,
+    the longer length, the held-out conditions) and in stage 5 (the static gates' rows): the totals
+    of their progress bars. A test holds them to the batches the stages run."""
+    P, suite = run.P, run.suite
+    method = len(suite.names) * run.n_batches("eval")                 # one method on the evaluation mix
+    longer = len([n for n in P.get("eval_seq_lens", ()) if n != P["seq_len"]])
+    compared = 7 if suite.conditions else 6   # dense, Elastic, static, router_set, oracle, [keyword], all sparse
+    held = sum(len(names) * run.n_batches(f"test:{c}") for c, names in (suite.conditions or {}).items()
+               if c != "in_template")
+    stage4 = (len(suite.names) * run.n_batches("calib")                # head_orders
+              + compared * method + len(suite.sensitive) * run.n_batches("eval")    # compare, swap control
+              + 2 * (P["curve_points"] - 2) * method                   # two frontiers
+              + longer * method + (compared - 1) * method * (longer > 0)          # dense longer, compare there
+              + 6 * held)                                              # generalisation
+    stage5 = 2 * method * (1 + (longer > 0)) + 2 * held + (P["curve_points"] - 2) * method
+    return stage4, stage5
+
+
+def print_estimate(run, t_step):
+    """The whole run's time on this machine, from the pace of the first router steps and of the
+    calibration batches."""
+    stage4, stage5 = evaluation_plan(run)
+    parts = dict(routers=run.P["steps"] * t_step, evaluation=stage4 * run.t_batch,
+                 static=0 if run.args.no_static else run.P["static_steps"] * t_step + stage5 * run.t_batch)
+    tqdm.write("estimate on this machine: " + ", ".join(f"{k} ~{v / 60:.1f} min" for k, v in parts.items())
+               + f"; ends ~{time.strftime('%H:%M', time.localtime(time.time() + sum(parts.values())))}")
+
+
+def progress(run, desc, total):
+    """Open the evaluation stage's bar (evaluate() advances it); returns the bar."""
+    run.bar = tqdm(total=total, desc=desc, mininterval=2, disable=not run.main)
+    return run.bar
+
 # -----------------------------------------------------------------------------
 # 4. Evaluate on held-out inputs. Every method is a way of choosing each head's mode; the routers
 # decide from the prompt alone, exactly as at deployment. Fixed head sets are compared at Elastic's
@@ -1081,6 +1121,8 @@ def evaluate(run, model, choose=None, seq_len=None, names=None, split="eval"):
     mine = []
     index = [(t, i) for t in names for i in range(run.n_batches(split))]
     for j, (name, i) in enumerate(index):
+        if run.bar is not None:
+            run.bar.update(1)
         if j % run.world != run.rank:
             continue
         b = run.held_out(name, i, seq_len, split)
@@ -1295,6 +1337,7 @@ def evaluate_static(run, model, settings, results, progressive, points, long_len
     static_log, params = train_gates(run, model, settings, True, [elastic_omega] * len(run.suite.tasks),
                                      os.path.join(run.out_dir, "static.pt"))
     gates = torch.stack([r.log_alpha.detach() for r in model.routers])           # (L, Hkv)
+    progress(run, "evaluate static", evaluation_plan(run)[1])
     order = gates.flatten().argsort().cpu()                                       # lowest log α sparse first
     for seq_len in (S, long_len) if long_len else (S,):
         tag = "" if seq_len == S else f"@{seq_len}"
@@ -1348,11 +1391,17 @@ def main(argv=None):
     run.log(f"preset {run_name} | config {cfg.head_config} | S {P['seq_len']} | sink {cfg.sink} window "
             f"{cfg.window} | {cfg.n_layers} layers × {cfg.n_kv_heads} KV heads | {device} × {world} | backend "
             f"{cfg.backend}")
+    plan = evaluation_plan(run)
+    run.log(f"stages: 1 backbone, 2 calibrate, 3 routers ({P['steps']} steps), 4 evaluate ({plan[0]} batches), "
+            + ("" if args.no_static else f"5 static gates ({P['static_steps']} steps, {plan[1]} batches), ")
+            + "6 report; an estimate of the time follows the routers' first steps")
 
     model, backbone_source = build_backbone(run, cfg, model)                  # 1. backbone
     run.log(f"backbone: {backbone_source}")
     settings = router_settings(run, model, [t_sens, t_rob])
+    t = time.time()
     retrieval = retrieval_scores(run, model)                                  # 2. calibrate
+    run.t_batch = (time.time() - t) / (len(suite.sensitive) * run.n_batches("calib"))
     calibration = {}
     if t_sens == "auto":
         t_sens, calibration["sensitive_frontier"] = auto_target(run, model, retrieval.flatten().argsort())
@@ -1365,13 +1414,19 @@ def main(argv=None):
     if run.main:
         elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings)
     gate_share = check_gate_share(run, train_log)
+    done = []
+    progress(run, "evaluate", plan[0])                                     # 4. evaluate
     orders = head_orders(run, model, retrieval)
-    results, progressive, long_len, points = evaluate_all(run, model, orders)  # 4. evaluate
+    results, progressive, long_len, points = evaluate_all(run, model, orders)
     held_out = generalisation(run, model, orders, results["elastic"]) if suite.conditions else {}
+    done.append(run.bar.n)
+    run.bar.close()
     static_log, static_gates = [], None
     if not args.no_static:                                                    # 5. static gates
         static_log, static_gates, diff = evaluate_static(run, model, settings, results, progressive, points, long_len,
                                                          held_out)
+        done.append(run.bar.n)
+        run.bar.close()
         if run.parallel:
             rank_diff["static"] = diff
     for name in progressive:  # dense and all-sparse close every curve
@@ -1383,6 +1438,7 @@ def main(argv=None):
             backbone=backbone_source, world_size=world, max_param_diff_between_ranks=rank_diff,
             backbone_same_on_every_rank=same_backbone,
             calibration=calibration, gate_share_end=gate_share,
+            evaluation_batches=dict(planned=list(plan[:len(done)]), done=done),
             omega_train_vs_deployed=omega_agreement(run, train_log, results), long_len=long_len,
             retrieval_scores=retrieval.tolist(),
             static_trained_gates=None if static_gates is None else static_gates.tolist(), results=results,

@@ -75,6 +75,9 @@ def test_pipeline_writes_sane_outputs(quick_run):
     assert set(curves) == {"score", "router_set", "static_trained"}
     assert all(list(c) == ["0.000", "0.500", "1.000"] for c in curves.values())
     assert len(res["train_log"]) == 3 and len(res["static_log"]) == 3
+    # The evaluation stages' progress bars end full: they planned the batches the stages ran.
+    assert res["evaluation_batches"]["done"] == res["evaluation_batches"]["planned"]
+    assert "stages: 1 backbone" in proc.stdout
     assert len(res["results"]["elastic"]["passkey"]["omegas"]) == 4  # one Ω per held-out input
     per_input = res["results"]["elastic"]["passkey"]["scores"]
     assert len(per_input) == 4 and sum(per_input) / 4 == pytest.approx(res["results"]["elastic"]["passkey"]["score"])
