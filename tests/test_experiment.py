@@ -530,7 +530,7 @@ def test_two_processes_train_the_same_routers_as_one(tmp_path, router):
     path), the one-process run in place: the same batches either way. Both train a backbone first,
     which the ranks then share (rank 0's)."""
     common = ["--steps", "3", "--batch-size", "4", "--eval-per-task", "4", "--no-static", "--curve-points", "2",
-              "--router", router, "--backbone", "train", "--backbone-steps", "2"]
+              "--router", router, "--backbone", "train", "--backbone-stages", "256:2:8:3e-3"]
     one = run_script(*common, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
