@@ -21,6 +21,9 @@ except ImportError:
     fcntl = None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--backbone-steps", "2", "--steps", "3", "--eval-per-task", "4", "--batch-size", "5", "--curve-points", "3"]
+# Runs on quick_run's backbone that check no scores (and do not resume its router.pt, which would
+# refuse another calibration size: eval-per-task sets it): the fewest held-out inputs and curve points.
+LATER = ["--steps", "3", "--eval-per-task", "2", "--batch-size", "5", "--curve-points", "2"]
 
 
 def run_script(*args, timeout=300):
@@ -72,7 +75,8 @@ def run_script_many(cases, timeout=300):
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    proc = run_script("--backbone", "train", *QUICK, "--out", str(out))
+    # --backbone-steps 2 cuts the one stage given here to 2 steps (of 8 inputs: the default 64 take seconds)
+    proc = run_script("--backbone", "train", "--backbone-stages", "256:5:8:3e-3", *QUICK, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -85,6 +89,7 @@ def test_pipeline_writes_sane_outputs(quick_run):
     for name in ("backbone.pt", "router.pt", "static.pt", "model.pt"):  # plain data: loads without unpickling code
         assert isinstance(torch.load(out / name, weights_only=True), dict), name
     res = json.loads((out / "results.json").read_text())
+    assert res["backbone"] == "trained here (2 steps × 8 at 256 tokens)"
     assert set(res["results"]) == {"dense", "elastic", "static", "static_trained", "router_set", "elastic_count",
                                    "oracle", "swap", "all_sparse"}
     for method, per_task in res["results"].items():
@@ -175,7 +180,7 @@ def ctrl_c(args, header=1, sig=signal.SIGINT, at="step | loss", said="interrupte
 def test_a_diverging_run_stops_in_one_line(quick_run, tmp_path):
     """A router lr of 1e30 makes log α NaN within a step or two: one error line naming the step."""
     out, _ = quick_run
-    proc = run_script("--backbone", str(out / "backbone.pt"), *QUICK[2:], "--router-lr", "1e30", "--no-static",
+    proc = run_script("--backbone", str(out / "backbone.pt"), *LATER, "--router-lr", "1e30", "--no-static",
                       "--out", str(tmp_path))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert re.search(r"error: step \d+: the loss is nan", proc.stderr), proc.stderr[-2000:]
@@ -185,7 +190,7 @@ def test_sigterm_saves_as_ctrl_c_does_and_says_so_at_any_stage(quick_run, tmp_pa
     """A scheduler's SIGTERM in training saves router.pt and names the --resume that continues it;
     before training (the backbone just loaded) it says there is nothing to continue from."""
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--steps", "100000", "--no-static"]
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--steps", "100000", "--no-static"]
     said = ctrl_c([*args, "--out", str(tmp_path / "term")], sig=signal.SIGTERM)
     assert f"continue with --resume {tmp_path / 'term' / 'router.pt'}" in said, said[-2000:]
     assert torch.load(tmp_path / "term" / "router.pt", weights_only=True)["step"] >= 1
@@ -197,7 +202,7 @@ def test_sigterm_to_a_seeds_run_reaches_the_child_and_says_how_to_go_on(quick_ru
     """--seeds: a SIGTERM to the parent alone is passed to the running child, which saves; the parent
     then names the seed, its --resume, and no traceback from either process."""
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--steps", "100000", "--no-static",
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--steps", "100000", "--no-static",
             "--seeds", "0,1", "--out", str(tmp_path)]
     said = ctrl_c(args, sig=signal.SIGTERM, said="the run with seed 0 stopped")
     assert f"--resume {tmp_path / 'seed0' / 'router.pt'}" in said, said[-2000:]
@@ -209,7 +214,7 @@ def test_ctrl_c_then_resume_equals_the_uninterrupted_run(quick_run, tmp_path):
     routers, λ, optimizer state and log as a run never interrupted (the gate noise of a step comes
     from the seed and the step, not from the global RNG, whose state the checkpoint lacks)."""
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--steps", "6", "--no-static"]
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--steps", "6", "--no-static"]
     said = ctrl_c([*args, "--out", str(tmp_path / "cut")])
     ckpt = torch.load(tmp_path / "cut" / "router.pt", weights_only=True)
     assert 1 <= ckpt["step"] < 6 and len(ckpt["log"]) == ckpt["step"]
@@ -232,7 +237,7 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     """The static gates are not resumable on their own; the message names what is: router.pt (its
     routers finished), from which --resume reruns the evaluation and the static stage."""
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--out", str(tmp_path)]
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--out", str(tmp_path)]
     said = ctrl_c([*args, "--static-steps", "100000"], header=2)
     assert "steps of the static gates; the routers are done" in said, said[-2000:]
     resume = said.split("the routers are done: ")[1].split()[:2]
@@ -305,7 +310,7 @@ def test_a_run_folder_belongs_to_one_run(quick_run, tmp_path):
     for name in ("results.json", "router.pt", "static.pt"):
         (tmp_path / name).write_text("old")
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--no-static", "--out", str(tmp_path)]
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--no-static", "--out", str(tmp_path)]
     proc = run_script(*args, timeout=120)
     assert proc.returncode != 0 and "holds another run's results.json, router.pt, static.pt" in proc.stderr, \
         proc.stderr[-2000:]
@@ -435,7 +440,7 @@ def test_elastic_count_on_the_routers_own_ranking_is_elastic(tmp_path):
 
 def test_backbone_stages_train_shortest_first(tmp_path):
     """The gpu preset's length curriculum, at CPU size: 2 steps on 128-token inputs, then 2 on 256."""
-    proc = run_script("--backbone", "train", "--backbone-stages", "128:2:4:3e-3,256:2:4:1e-3", *QUICK[2:],
+    proc = run_script("--backbone", "train", "--backbone-stages", "128:2:4:3e-3,256:2:4:1e-3", *LATER,
                       "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "backbone 128 tokens" in proc.stderr and "backbone 256 tokens" in proc.stderr  # tqdm bars
@@ -472,7 +477,7 @@ def test_bad_backbone_stages_fail_before_training(stages, message, bad_stage_run
 def test_backbone_of_another_config_is_refused(tmp_path):
     other = elastic_attention.Transformer(elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE, dim=64))
     elastic_attention.save_checkpoint(str(tmp_path / "other.pt"), other)
-    proc = run_script("--backbone", str(tmp_path / "other.pt"), *QUICK[2:], "--out", str(tmp_path), timeout=60)
+    proc = run_script("--backbone", str(tmp_path / "other.pt"), *LATER, "--out", str(tmp_path), timeout=60)
     assert proc.returncode != 0 and "different config" in proc.stderr
 
 
