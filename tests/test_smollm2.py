@@ -862,7 +862,8 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     # The frozen held-out conditions, every method on each (the main evaluation is the in-template one)
     assert set(res["held_out"]) == set(smollm2.CONDITIONS) - {"in_template"}
     for condition, methods in res["held_out"].items():
-        assert set(methods) == {"dense", "elastic", "static", "router_set", "oracle", "keyword", "static_trained"}
+        assert set(methods) == {"dense", "elastic", "static", "router_set", "oracle", "keyword", "static_trained",
+                                "elastic_count"}
         assert set(methods["elastic"]) == set(smollm2.CONDITIONS[condition]["families"])
     assert "keyword" in res["results"] and res["keywords"]
     assert res["settings"]["config"]["prepass_layers"] == 1 and res["held_out_tasks"] == {
