@@ -7,7 +7,11 @@ any test module imports kernels.py. A user can do the same by hand to step throu
 """
 import os
 
-import torch
+# OpenMP threads that sleep between parallel regions, as the entry points ask for: with -n auto every
+# worker's threads share the cores, and spinning ones slow the others. Read when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -21,6 +21,9 @@ except ImportError:
     fcntl = None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--backbone-steps", "2", "--steps", "3", "--eval-per-task", "4", "--batch-size", "5", "--curve-points", "3"]
+# Runs on quick_run's backbone that check no scores (and do not resume its router.pt, which would
+# refuse another calibration size: eval-per-task sets it): the fewest held-out inputs and curve points.
+LATER = ["--steps", "3", "--eval-per-task", "2", "--batch-size", "5", "--curve-points", "2"]
 
 
 def run_script(*args, timeout=300):
@@ -30,10 +33,50 @@ def run_script(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+# `python train_router.py ARGS` for each ARGS, one after the other in one interpreter: the script
+# runs as __main__, and an uncaught SystemExit or exception becomes the exit status and stderr the
+# way the interpreter turns it into them.
+RUN_MANY = """import gc, io, json, os, runpy, sys, traceback
+script, cases, results = sys.argv[1], json.loads(sys.argv[2]), []
+sys.path.insert(0, os.path.dirname(script))   # as `python script.py` does
+for argv in cases:
+    sys.argv = [script, *argv]
+    sys.stdout, sys.stderr = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8") for _ in range(2))
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:   # None is 0, an int the status; anything else is printed, status 1
+        code = 0 if e.code is None else e.code
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    results.append([code, *(s.flush() or s.buffer.getvalue().decode() for s in (sys.stdout, sys.stderr))])
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    gc.collect()   # closes what a refused run left open, as its process's exit would
+print(json.dumps(results))
+"""
+
+
+def run_script_many(cases, timeout=300):
+    """run_script(*args) for each args in cases, in one process: a refusal costs milliseconds, not the
+    ~3 s a process spends importing torch. Returns one CompletedProcess per case."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", RUN_MANY, os.path.join(ROOT, "train_router.py"), json.dumps(cases)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [subprocess.CompletedProcess(args, code, out, err)
+            for args, (code, out, err) in zip(cases, json.loads(proc.stdout), strict=True)]
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    proc = run_script("--backbone", "train", *QUICK, "--out", str(out))
+    # --backbone-steps 2 cuts the one stage given here to 2 steps (of 8 inputs: the default 64 take seconds)
+    proc = run_script("--backbone", "train", "--backbone-stages", "256:5:8:3e-3", *QUICK, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -46,6 +89,7 @@ def test_pipeline_writes_sane_outputs(quick_run):
     for name in ("backbone.pt", "router.pt", "static.pt", "model.pt"):  # plain data: loads without unpickling code
         assert isinstance(torch.load(out / name, weights_only=True), dict), name
     res = json.loads((out / "results.json").read_text())
+    assert res["backbone"] == "trained here (2 steps × 8 at 256 tokens)"
     assert set(res["results"]) == {"dense", "elastic", "static", "static_trained", "router_set", "elastic_count",
                                    "oracle", "swap", "all_sparse"}
     for method, per_task in res["results"].items():
@@ -139,7 +183,7 @@ def ctrl_c(args, header=1, sig=signal.SIGINT, at="step | loss", said="interrupte
 def test_a_diverging_run_stops_in_one_line(quick_run, tmp_path):
     """A router lr of 1e30 makes log α NaN within a step or two: one error line naming the step."""
     out, _ = quick_run
-    proc = run_script("--backbone", str(out / "backbone.pt"), *QUICK[2:], "--router-lr", "1e30", "--no-static",
+    proc = run_script("--backbone", str(out / "backbone.pt"), *LATER, "--router-lr", "1e30", "--no-static",
                       "--out", str(tmp_path))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert re.search(r"error: step \d+: the loss is nan", proc.stderr), proc.stderr[-2000:]
@@ -149,7 +193,7 @@ def test_sigterm_saves_as_ctrl_c_does_and_says_so_at_any_stage(quick_run, tmp_pa
     """A scheduler's SIGTERM in training saves router.pt and names the --resume that continues it;
     before training (the backbone just loaded) it says there is nothing to continue from."""
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--steps", "100000", "--no-static"]
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--steps", "100000", "--no-static"]
     said = ctrl_c([*args, "--out", str(tmp_path / "term")], sig=signal.SIGTERM)
     assert f"continue with --resume {tmp_path / 'term' / 'router.pt'}" in said, said[-2000:]
     assert torch.load(tmp_path / "term" / "router.pt", weights_only=True)["step"] >= 1
@@ -161,7 +205,7 @@ def test_sigterm_to_a_seeds_run_reaches_the_child_and_says_how_to_go_on(quick_ru
     """--seeds: a SIGTERM to the parent alone is passed to the running child, which saves; the parent
     then names the seed, its --resume, and no traceback from either process."""
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--steps", "100000", "--no-static",
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--steps", "100000", "--no-static",
             "--seeds", "0,1", "--out", str(tmp_path)]
     said = ctrl_c(args, sig=signal.SIGTERM, said="the run with seed 0 stopped")
     assert f"--resume {tmp_path / 'seed0' / 'router.pt'}" in said, said[-2000:]
@@ -173,7 +217,7 @@ def test_ctrl_c_then_resume_equals_the_uninterrupted_run(quick_run, tmp_path):
     routers, λ, optimizer state and log as a run never interrupted (the gate noise of a step comes
     from the seed and the step, not from the global RNG, whose state the checkpoint lacks)."""
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--steps", "6", "--no-static"]
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--steps", "6", "--no-static"]
     said = ctrl_c([*args, "--out", str(tmp_path / "cut")])
     ckpt = torch.load(tmp_path / "cut" / "router.pt", weights_only=True)
     assert 1 <= ckpt["step"] < 6 and len(ckpt["log"]) == ckpt["step"]
@@ -196,7 +240,7 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     """The static gates are not resumable on their own; the message names what is: router.pt (its
     routers finished), from which --resume reruns the evaluation and the static stage."""
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--out", str(tmp_path)]
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--out", str(tmp_path)]
     said = ctrl_c([*args, "--static-steps", "100000"], header=2)
     assert "steps of the static gates; the routers are done" in said, said[-2000:]
     resume = said.split("the routers are done: ")[1].split()[:2]
@@ -206,7 +250,7 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     assert len(json.loads((tmp_path / "results.json").read_text())["static_log"]) == 3
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_ARGUMENTS = [
     (["--steps", "0"], "--steps must be >= 1"),
     (["--targets", "1.5,1.0"], "--targets must lie in [0, 1]"),
     (["--targets", "0.7"], "--targets must be two numbers"),
@@ -243,9 +287,20 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
 ] + ([(["--device", "cuda:99"], "this machine has cuda:0 to")] if torch.cuda.is_available() else [
     (["--device", "cuda:0"], "no CUDA device is available"),
     (["--preset", "gpu", "--device", "cpu"], "hours on a CPU"),
-]))
-def test_bad_arguments_fail_before_training(args, message, tmp_path):
-    proc = run_script(*args, *([] if "--out" in args else ["--out", str(tmp_path)]), timeout=120)
+])
+
+
+@pytest.fixture(scope="module")
+def bad_argument_runs(tmp_path_factory):
+    """{args: the run of train_router.py with args} for each of BAD_ARGUMENTS, all in one process."""
+    cases = [args + ([] if "--out" in args else ["--out", str(tmp_path_factory.mktemp("bad"))])
+             for args, _ in BAD_ARGUMENTS]
+    return {tuple(args): proc for (args, _), proc in zip(BAD_ARGUMENTS, run_script_many(cases))}
+
+
+@pytest.mark.parametrize("args, message", BAD_ARGUMENTS)
+def test_bad_arguments_fail_before_training(args, message, bad_argument_runs):
+    proc = bad_argument_runs[tuple(args)]
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -258,7 +313,7 @@ def test_a_run_folder_belongs_to_one_run(quick_run, tmp_path):
     for name in ("results.json", "router.pt", "static.pt"):
         (tmp_path / name).write_text("old")
     out, _ = quick_run
-    args = ["--backbone", str(out / "backbone.pt"), *QUICK[2:], "--no-static", "--out", str(tmp_path)]
+    args = ["--backbone", str(out / "backbone.pt"), *LATER, "--no-static", "--out", str(tmp_path)]
     proc = run_script(*args, timeout=120)
     assert proc.returncode != 0 and "holds another run's results.json, router.pt, static.pt" in proc.stderr, \
         proc.stderr[-2000:]
@@ -287,10 +342,11 @@ def test_resume_refuses_other_settings(quick_run, tmp_path):
     """--resume with other targets / learning rates / gate / calibration size would silently keep the
     saved ones (with --targets auto the calibration size sets the sensitive target)."""
     out, _ = quick_run
-    for flag, value in (("--targets", "0.5,1.0"), ("--router-lr", "1e-3"), ("--lambda-lr", "1e-3"),
-                        ("--lambda-schedule", "constant"), ("--gate", "gumbel"), ("--calib-per-task", "2")):
-        proc = run_script("--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"), *QUICK[2:],
-                          flag, value, "--out", str(tmp_path), timeout=120)
+    changes = (("--targets", "0.5,1.0"), ("--router-lr", "1e-3"), ("--lambda-lr", "1e-3"),
+               ("--lambda-schedule", "constant"), ("--gate", "gumbel"), ("--calib-per-task", "2"))
+    procs = run_script_many([["--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"), *QUICK[2:],
+                              flag, value, "--out", str(tmp_path / flag[2:])] for flag, value in changes])
+    for (flag, value), proc in zip(changes, procs):
         assert proc.returncode != 0 and "was trained with other settings" in proc.stderr, (flag, proc.stderr[-1500:])
 
 
@@ -305,7 +361,7 @@ def test_resume_refuses_other_backbones_lengths_and_files(quick_run, pickle_payl
     (tmp_path / "cut.pt").write_bytes((out / "router.pt").read_bytes()[:5000])
     evil = pickle_payload[0](tmp_path / "evil.pt", ["config", "model", *good])
     backbone = ["--backbone", str(out / "backbone.pt")]
-    for args, message in (
+    cases = (
             (["--resume", str(out / "router.pt")], "backbone_sha256 saved"),           # the shipped backbone
             ([*backbone, "--resume", str(out / "router.pt"), "--seq-len", "320"], "seq_len saved 256, now 320"),
             ([*backbone, "--resume", str(out / "router.pt"), "--steps", "2"], "has run 3 steps, more than --steps 2"),
@@ -314,8 +370,9 @@ def test_resume_refuses_other_backbones_lengths_and_files(quick_run, pickle_payl
             ([*backbone, "--resume", str(tmp_path / "step-negative.pt")], "its step must be a whole number >= 0, got -10"),
             ([*backbone, "--resume", str(tmp_path / "cut.pt")], "a torch file that is truncated or damaged"),
             ([*backbone, "--resume", evil], "could run code"),
-            (["--backbone", evil], "could run code")):
-        proc = run_script(*QUICK[2:], *args, "--out", str(tmp_path / "run"), timeout=120)
+            (["--backbone", evil], "could run code"))
+    procs = run_script_many([[*QUICK[2:], *args, "--out", str(tmp_path / f"run{i}")] for i, (args, _) in enumerate(cases)])
+    for (args, message), proc in zip(cases, procs):
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr[-1500:])
         assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr[-1500:]
     assert not os.path.exists(pickle_payload[1])
@@ -386,7 +443,7 @@ def test_elastic_count_on_the_routers_own_ranking_is_elastic(tmp_path):
 
 def test_backbone_stages_train_shortest_first(tmp_path):
     """The gpu preset's length curriculum, at CPU size: 2 steps on 128-token inputs, then 2 on 256."""
-    proc = run_script("--backbone", "train", "--backbone-stages", "128:2:4:3e-3,256:2:4:1e-3", *QUICK[2:],
+    proc = run_script("--backbone", "train", "--backbone-stages", "128:2:4:3e-3,256:2:4:1e-3", *LATER,
                       "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "backbone 128 tokens" in proc.stderr and "backbone 256 tokens" in proc.stderr  # tqdm bars
@@ -396,22 +453,34 @@ def test_backbone_stages_train_shortest_first(tmp_path):
     assert ckpt["stages"] == [(128, 2, 4, 3e-3), (256, 2, 4, 1e-3)]
 
 
-@pytest.mark.parametrize("stages, message", [
+BAD_STAGES = [
     ("256-2-4-1e-3", "must look like 'tokens:steps:batch:lr"),
     ("512:2:4:1e-3", "needs 1 <= tokens <= 256"),
     ("256:0:4:1e-3", "steps >= 1"),
     ("64:2:4:1e-3", "too short for the tasks"),
-])
-def test_bad_backbone_stages_fail_before_training(stages, message, tmp_path):
-    proc = run_script("--backbone", "train", "--backbone-stages", stages, "--out", str(tmp_path), timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_stage_runs(tmp_path_factory):
+    """{stages: (the run with --backbone-stages stages, its --out)} for BAD_STAGES, in one process."""
+    outs = [tmp_path_factory.mktemp("stages") for _ in BAD_STAGES]
+    procs = run_script_many([["--backbone", "train", "--backbone-stages", stages, "--out", str(out)]
+                             for (stages, _), out in zip(BAD_STAGES, outs)])
+    return {stages: (proc, out) for (stages, _), proc, out in zip(BAD_STAGES, procs, outs)}
+
+
+@pytest.mark.parametrize("stages, message", BAD_STAGES)
+def test_bad_backbone_stages_fail_before_training(stages, message, bad_stage_runs):
+    proc, out = bad_stage_runs[stages]
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
-    assert not (tmp_path / "backbone.pt").exists()
+    assert not (out / "backbone.pt").exists()
 
 
 def test_backbone_of_another_config_is_refused(tmp_path):
     other = elastic_attention.Transformer(elastic_attention.Config.shape("tiny", vocab_size=tasks.VOCAB_SIZE, dim=64))
     elastic_attention.save_checkpoint(str(tmp_path / "other.pt"), other)
-    proc = run_script("--backbone", str(tmp_path / "other.pt"), *QUICK[2:], "--out", str(tmp_path), timeout=60)
+    proc = run_script("--backbone", str(tmp_path / "other.pt"), *LATER, "--out", str(tmp_path), timeout=60)
     assert proc.returncode != 0 and "different config" in proc.stderr
 
 
@@ -469,7 +538,7 @@ def test_two_processes_train_the_same_routers_as_one(tmp_path, router):
     path), the one-process run in place: the same batches either way. Both train a backbone first,
     which the ranks then share (rank 0's)."""
     common = ["--steps", "3", "--batch-size", "4", "--eval-per-task", "4", "--no-static", "--curve-points", "2",
-              "--router", router, "--backbone", "train", "--backbone-steps", "2"]
+              "--router", router, "--backbone", "train", "--backbone-stages", "256:2:8:3e-3"]
     one = run_script(*common, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

@@ -18,37 +18,49 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 A, B = b"a" * (3 << 20), b"b" * (3 << 20)  # two known payloads, a few MB so that a kill lands mid-write
 
 
-def child(code):
+def child(code, **kw):
     """A python process running code from the repository root (the project imports), stdout piped."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, **kw)
 
 
 def test_kill_9_mid_write_leaves_the_old_or_the_new_file(tmp_path):
     path = str(tmp_path / "results.json")
+    # One process imports the project once; each line it reads forks a writer, which the test kills.
     code = f"""
+import os, sys
 import elastic_attention
-print("ready", flush=True)
 payloads = [b"a" * {len(A)}, b"b" * {len(B)}]
 def write(f, data):
     for i in range(0, len(data), 1 << 16):  # in chunks, as json.dump and torch.save write
         f.write(data[i:i + (1 << 16)])
-i = 0
-while True:
-    elastic_attention.write_atomic({path!r}, lambda f: write(f, payloads[i % 2]))
-    i += 1
+for _ in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        print("ready", os.getpid(), flush=True)
+        i = 0
+        while True:
+            elastic_attention.write_atomic({path!r}, lambda f: write(f, payloads[i % 2]))
+            i += 1
+    os.waitpid(pid, 0)
+    print("killed", flush=True)
 """
+    proc = child(code, stdin=subprocess.PIPE)
     rng = random.Random(0)
     for _ in range(6):
-        proc = child(code)
-        assert proc.stdout.readline() == b"ready\n"
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        ready, pid = proc.stdout.readline().split()
+        assert ready == b"ready"
         time.sleep(rng.uniform(0.0, 0.25))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
+        os.kill(int(pid), signal.SIGKILL)
+        assert proc.stdout.readline() == b"killed\n"
         if os.path.exists(path):  # absent only if no write finished before the kill
             with open(path, "rb") as f:
                 assert f.read() in (A, B)
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
+    proc.stdout.close()
     assert os.path.exists(path)  # the later kills all came after some finished write
     # A kill -9 cannot clean up: each kill may leave one stray results.json.<random>.tmp beside it.
     assert len(glob.glob(path + ".*.tmp")) <= 6

@@ -74,10 +74,16 @@ DRAWN_DTYPES = [torch.float16, torch.bfloat16] if CUDA else DTYPES  # on a GPU: 
 # ----------------------------------------------------------------------------------------------
 # Property test: drawn shapes, modes, sink/window edge values, block masks with empty rows.
 
+# The interpreter's time grows as S²: on CPU, S up to 160 still spans 5 query and 10 key tiles and
+# every sink / window near a tile edge that hybrid_cases draws (up to 130).
+MAX_S = 300 if CUDA else 160
+
+
 @st.composite
 def hybrid_cases(draw):
-    S = draw(st.one_of(st.sampled_from([1, 2, 15, 16, 17, 31, 33, 64, 97, 128, 200, 257, 300]),
-                       st.integers(1, 300)))
+    S = draw(st.one_of(st.sampled_from([s for s in (1, 2, 15, 16, 17, 31, 33, 64, 97, 128, 160, 200, 257, 300)
+                                        if s <= MAX_S]),
+                       st.integers(1, MAX_S)))
     B = draw(st.sampled_from([1, 2]))
     G = draw(st.sampled_from([1, 2, 4]))
     Hkv = draw(st.sampled_from([1, 2])) if B * G <= 4 else 1     # ≤ 8 programs per tile row on CPU
@@ -282,7 +288,7 @@ def test_gradients_non_contiguous_inputs_and_padded_head_dim(dtype):
     assert_grads_close_to_reference(q, k, v, modes, 2, 9, None, 64, seed=0, do=do)
 
 
-@pytest.mark.parametrize("G, S", [(1, 75), (8, 37)])
+@pytest.mark.parametrize("G, S", [(1, 75), (8, 31)])
 def test_gradients_gqa_and_every_mode_in_one_launch(G, S):
     """dk/dv sum over the G query heads of a KV head; sample 0 all FULL, sample 1 mixed."""
     modes = torch.tensor([[FULL, FULL, FULL], [STREAMING, BLOCK_SPARSE, FULL]])
@@ -438,8 +444,9 @@ def test_training_mix_through_one_launch_equals_the_two_branch_mix(monkeypatch, 
     model = elastic_attention.Transformer(cfg).to(DEVICE)
     model.attach_routers()
     model.train()
-    idx = torch.randint(0, 40, (3, 45), device=DEVICE)
-    noise = torch.rand(2, 3, 2, device=DEVICE)
+    # 2 inputs of 29 tokens: two XAttention blocks, partial tiles; the interpreter's time grows with B.
+    idx = torch.randint(0, 40, (2, 29), device=DEVICE)
+    noise = torch.rand(2, 2, 2, device=DEVICE)
 
     def run():
         model.zero_grad()

@@ -850,11 +850,12 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     monkeypatch.setattr(train_router, "train_step",
                         lambda *a, **k: shapes.append(tuple(a[7]["tokens"].shape)) or train_step(*a, **k))
     out = tmp_path / "run"
+    # 896 tokens: about the shortest input whose far-placed needles fit beyond the 256-token window
     train_router.main(["--preset", "smollm2", "--gguf", tiny_file[0], "--haystack", "pydoc", "--device", "cpu",
-                       "--seq-len", "1024", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
+                       "--seq-len", "896", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
                        "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2",
                        "--prepass-layers", "1", "--out", str(out)])
-    assert shapes == [(8, 1024)] * 4, shapes   # padded to one shape: StepGraph records once
+    assert shapes == [(8, 896)] * 4, shapes   # padded to one shape: StepGraph records once
     res = json.loads((out / "results.json").read_text())
     assert set(res["results"]["elastic"]) == set(smollm2.TRAIN_NAMES)   # never the held-out families
     assert res["decoded_answers"] and len(res["train_log"]) == 2 and len(res["static_log"]) == 2
