@@ -1071,6 +1071,7 @@ def auto_target(run, model, score_order):
             "to there")
     return target, curve
 
+
 def evaluation_plan(run):
     """How many batches evaluate() runs in stage 4 (every method, the swap control, the frontiers,
     the longer length, the held-out conditions) and in stage 5 (the static gates' rows): the totals
@@ -1101,9 +1102,14 @@ def print_estimate(run, t_step):
 
 
 def progress(run, desc, total):
-    """Open the evaluation stage's bar (evaluate() advances it); returns the bar."""
+    """Open an evaluation stage's bar: evaluate() advances it until end_progress(run)."""
     run.bar = tqdm(total=total, desc=desc, mininterval=2, disable=not run.main)
-    return run.bar
+
+
+def end_progress(run):
+    """Close the stage's bar; returns the batches it counted."""
+    n, run.bar = run.bar.n, run.bar.close()
+    return n
 
 # -----------------------------------------------------------------------------
 # 4. Evaluate on held-out inputs. Every method is a way of choosing each head's mode; the routers
@@ -1419,14 +1425,12 @@ def main(argv=None):
     orders = head_orders(run, model, retrieval)
     results, progressive, long_len, points = evaluate_all(run, model, orders)
     held_out = generalisation(run, model, orders, results["elastic"]) if suite.conditions else {}
-    done.append(run.bar.n)
-    run.bar.close()
+    done.append(end_progress(run))
     static_log, static_gates = [], None
     if not args.no_static:                                                    # 5. static gates
         static_log, static_gates, diff = evaluate_static(run, model, settings, results, progressive, points, long_len,
                                                          held_out)
-        done.append(run.bar.n)
-        run.bar.close()
+        done.append(end_progress(run))
         if run.parallel:
             rank_diff["static"] = diff
     for name in progressive:  # dense and all-sparse close every curve
