@@ -176,6 +176,9 @@ def build_parser():
                    help="mlp: the paper's router, a logit per head from its pooled keys (default of tiny); "
                         "ranked: one learned ranking of the heads, shifted per input by a router on layer 0's "
                         "keys (default of gpu and smollm2)")
+    g.add_argument("--ranking", choices=["static"],
+                   help="ranked routers: train the ranking first, as static gates at the sensitive target, then "
+                        "the count router against it, frozen (default: both together)")
     g.add_argument("--prepass-layers", type=int,
                    help="ranked routers: the count router reads the residual stream after this many layers of a "
                         "pre-pass over the prompt's boundary tokens; 0 = layer 0's keys (default: smollm2 5, gpu 0)")
@@ -246,6 +249,9 @@ def settings_from(args):
     P["router"], P["rank_lr"] = P.get("router", "mlp"), P.get("rank_lr", 5e-3)
     P["lambda_schedule"] = P.get("lambda_schedule", "cosine")
     P["prepass_layers"] = P.get("prepass_layers", 0)
+    P["ranking"] = args.ranking or P.get("ranking")
+    if P["ranking"] and P["router"] != "ranked":
+        fail(f"--ranking static fixes the ranking of --router ranked (got {P['router']})")
     if P["prepass_layers"] and P["router"] != "ranked":
         fail(f"--prepass-layers feeds the count router of --router ranked (got {P['router']})")
     if P["suite"] == "smollm2":
@@ -641,7 +647,7 @@ def router_settings(run, model, targets):
                 gate=args.gate, abs_lagrangian=args.abs_lagrangian, logit_penalty=P["logit_penalty"],
                 router_init=P["router_init"], consistency=P["consistency"], clip=P.get("clip"),
                 loss=P.get("loss", "tokens"), router_norm=P.get("router_norm", False), router=P["router"],
-                rank_lr=P["rank_lr"] if P["router"] == "ranked" else None,
+                rank_lr=P["rank_lr"] if P["router"] == "ranked" else None, ranking=P["ranking"],
                 haystack=P["haystack"] if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
                 backbone_sha256=weights_sha256(model.state_dict()))
@@ -841,9 +847,10 @@ class StepGraph:
         return graph, static_inputs, outputs, [p.grad for p in self.params]
 
 
-def train_gates(run, model, settings, static, targets, path, resume=None):
+def train_gates(run, model, settings, static, targets, path, resume=None, ranking=None):
     """Train the routers (static=False) or one gate per KV head (static=True) on the frozen backbone.
-    targets: one Ω_MSR target per task. Returns (per-step log, gate parameters); the gates stay in model."""
+    targets: one Ω_MSR target per task; ranking: ranked routers' per-head logits (L, Hkv), held fixed
+    (--ranking static). Returns (per-step log, gate parameters); the gates stay in model."""
     P, cfg = run.P, model.cfg
     # The static gates start at their target (all tasks share it). Started elsewhere they ended far from it:
     # SmolLM2's from Ω 0.82 overshot to 0.63 against 0.75, the tiny preset's from 0.5 reached 0.61 against ~0.85.
@@ -852,11 +859,17 @@ def train_gates(run, model, settings, static, targets, path, resume=None):
     params = model.attach_routers(static=static, init_logit=init, ranked=ranked)
     if not static and P.get("router_norm"):
         fit_router_inputs(run, model)
+    router_lib.freeze_backbone(model)   # and every gate parameter trainable
+    if ranked and P["ranking"]:   # only the count trains; a resumed run reloads the ranking below
+        for i, r in enumerate(model.routers):
+            if ranking is not None:
+                r.log_alpha.data.copy_(ranking[i])
+            r.log_alpha.requires_grad_(False)
+        params = [p for p in params if p.requires_grad]
     # Ranked routers: the per-head logits (the ranking) train at their own lr, the shift router at the routers'.
-    rank = [p for r in model.routers for p in r.parameters()] if ranked else []
+    rank = [p for r in model.routers for p in r.parameters() if p.requires_grad] if ranked else []
     mlps = list(model.shift_router.parameters()) if ranked else params
     steps = P["static_steps" if static else "steps"]
-    router_lib.freeze_backbone(model)
     model.train()
     lagrangian = router_lib.SparsityLagrangian(len(run.suite.tasks), targets, abs_variant=run.args.abs_lagrangian)
     lagrangian = lagrangian.to(run.device)
@@ -1402,7 +1415,9 @@ def main(argv=None):
             f"{cfg.window} | {cfg.n_layers} layers × {cfg.n_kv_heads} KV heads | {device} × {world} | backend "
             f"{cfg.backend}")
     plan = evaluation_plan(run)
-    run.log(f"stages: 1 backbone, 2 calibrate, 3 routers ({P['steps']} steps), 4 evaluate ({plan[0]} batches), "
+    run.log(f"stages: 1 backbone, 2 calibrate, 3 "
+            + (f"ranking ({P['static_steps']} steps) and " if P["ranking"] else "") + f"routers ({P['steps']} steps), "
+            + f"4 evaluate ({plan[0]} batches), "
             + ("" if args.no_static else f"5 static gates ({P['static_steps']} steps, {plan[1]} batches), ")
             + "6 report; an estimate of the time follows the routers' first steps")
 
@@ -1417,8 +1432,12 @@ def main(argv=None):
         t_sens, calibration["sensitive_frontier"] = auto_target(run, model, retrieval.flatten().argsort())
     calibration["sensitive_target"] = t_sens
     targets = [t_sens if t.category == "sensitive" else t_rob for t in suite.tasks]
+    ranking = None
+    if P["ranking"] and not args.resume:   # the ranking first: static gates at the sensitive target
+        train_gates(run, model, settings, True, [t_sens] * len(suite.tasks), os.path.join(out_dir, "ranking.pt"))
+        ranking = [r.log_alpha.detach().clone() for r in model.routers]
     train_log, params = train_gates(run, model, settings, False, targets,     # 3. routers
-                                    os.path.join(out_dir, "router.pt"), resume=args.resume)
+                                    os.path.join(out_dir, "router.pt"), resume=args.resume, ranking=ranking)
     rank_diff = {"routers": replica_difference(run, params)} if run.parallel else {}
     same_backbone = same_on_every_rank(run, settings["backbone_sha256"]) if run.parallel else None
     if run.main:

@@ -20,10 +20,10 @@ try:
 except ImportError:
     fcntl = None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICK = ["--backbone-steps", "2", "--steps", "3", "--eval-per-task", "4", "--batch-size", "5", "--curve-points", "3"]
+QUICK = ["--backbone-steps", "2", "--steps", "3", "--static-steps", "3", "--eval-per-task", "4", "--batch-size", "5", "--curve-points", "3"]
 # Runs on quick_run's backbone that check no scores (and do not resume its router.pt, which would
 # refuse another calibration size: eval-per-task sets it): the fewest held-out inputs and curve points.
-LATER = ["--steps", "3", "--eval-per-task", "2", "--batch-size", "5", "--curve-points", "2"]
+LATER = ["--steps", "3", "--static-steps", "3", "--eval-per-task", "2", "--batch-size", "5", "--curve-points", "2"]
 
 
 def run_script(*args, timeout=300):
@@ -258,6 +258,7 @@ BAD_ARGUMENTS = [
     (["--gate", "coin"], "invalid choice: 'coin'"),
     (["--deploy", "top-k"], "invalid choice: 'top-k'"),
     (["--deploy", "global"], "--deploy global ranks every layer's heads at once, which needs --router ranked"),
+    (["--ranking", "static"], "--ranking static fixes the ranking of --router ranked (got mlp)"),
     (["--backbone", "no/such/file.pt"], "not found"),
     (["--resume", "no/such/router.pt"], "not found"),
     (["--resume", ""], "--resume is empty"),
@@ -439,6 +440,32 @@ def test_elastic_count_on_the_routers_own_ranking_is_elastic(tmp_path):
     for t in suite.names:
         for key in ("scores", "omegas", "full_frac"):
             assert again[t][key] == elastic[t][key], (t, key)
+
+
+def test_a_fixed_ranking_stays_fixed_while_the_count_router_trains(tmp_path, monkeypatch):
+    """--ranking static: the ranked routers' per-head logits are given (here random) and stay
+    exactly so through training; the count router alone is optimised, and it moves."""
+    sys.path.insert(0, ROOT)
+    import train_router as tr
+    args = tr.build_parser().parse_args(["--router", "ranked", "--ranking", "static", "--steps", "3",
+                                         "--batch-size", "4", "--out", str(tmp_path)])
+    P, _ = tr.settings_from(args)
+    suite, _, cfg = tr.load_suite(P, args, 0, 1)
+    model, _ = elastic_attention.load_checkpoint(P["backbone"], cfg, map_location="cpu")
+    run = tr.Run(P, args, torch.device("cpu"), suite, str(tmp_path))
+    start, build = [], tr.router_lib.build_optimizer
+    def snapshot(params, *a, **kw):   # the count router as training starts
+        start.extend(p.detach().clone() for p in params)
+        return build(params, *a, **kw)
+    monkeypatch.setattr(tr.router_lib, "build_optimizer", snapshot)
+    torch.manual_seed(0)
+    ranking = [torch.randn(cfg.n_kv_heads) for _ in range(cfg.n_layers)]
+    _, params = tr.train_gates(run, model, tr.router_settings(run, model, [0.7, 1.0]), False,
+                               [0.7] * len(suite.tasks), str(tmp_path / "router.pt"), ranking=ranking)
+    for r, logits in zip(model.routers, ranking):
+        assert torch.equal(r.log_alpha.detach(), logits) and not r.log_alpha.requires_grad
+    assert {id(p) for p in params} == {id(p) for p in model.shift_router.parameters()}
+    assert len(start) == len(params) and any(not torch.equal(a, b) for a, b in zip(start, params))
 
 
 def test_backbone_stages_train_shortest_first(tmp_path):
