@@ -120,7 +120,7 @@ def margins(runs):
         if tag:
             lines.append(f"evaluated at {tag[1:]} tokens:")
         pairs = [("elastic", m, dict(METHODS)[m]) for m in ("static", "static_trained", "router_set", "oracle")]
-        for base, method, label in pairs + [("elastic_count", "static_trained", "count − trained")]:
+        for base, method, label in pairs + [("elastic_count", "static_trained", "count−trained")]:
             if any(k not in r["results"] for r in runs for k in (method + tag, base + tag)):
                 continue
             gaps = [[100 * (r["results"][base + tag][t]["score"] - r["results"][method + tag][t]["score"])
