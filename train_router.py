@@ -983,6 +983,9 @@ def stop_if_interrupted(run, interrupted, save, static, path, done):
     if not stop:
         return
     save()
+    if static and not os.path.exists(os.path.join(run.out_dir, "router.pt")):   # --ranking static's first stage
+        fail(f"interrupted after {done} steps of the ranking, before the routers: nothing to resume; run the "
+             "command again")
     if static:  # --resume takes router.pt: the finished routers, then evaluation and this stage afresh
         fail(f"interrupted after {done} steps of the static gates; the routers are done: "
              f"--resume {os.path.join(run.out_dir, 'router.pt')} reruns the evaluation and this stage")
@@ -1113,14 +1116,11 @@ def evaluation_pace(run, model):
     calibration batches, timed on a second pass (the first warms up), with about half the heads
     sparse and one layer of mixed modes. On a CPU such a layer costs twice a uniform one; with
     every layer mixed the estimate doubled the tiny preset's evaluation, with none it halved it."""
-    L, H = model.cfg.n_layers, model.cfg.n_kv_heads
-    full_mode, sparse_mode = HEAD_CONFIGS[model.cfg.head_config]
-    modes = torch.full((L * H,), full_mode, dtype=torch.int32, device=model.lm_head.weight.device)
-    modes[:(L * H + H) // 2] = sparse_mode                          # the boundary inside a layer
-    modes = modes.view(L, H)
+    n, H = model.cfg.n_layers * model.cfg.n_kv_heads, model.cfg.n_kv_heads
+    mixed = fixed(model, torch.arange(n), (n + H) // 2 / n)     # in layer order: the boundary inside a layer
     for _ in range(2):
         t = time.time()
-        evaluate(run, model, lambda name, i: modes, names=run.suite.sensitive[:1], split="calib")
+        evaluate(run, model, mixed, names=run.suite.sensitive[:1], split="calib")
     return (time.time() - t) / run.n_batches("calib")
 
 

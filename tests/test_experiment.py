@@ -248,6 +248,10 @@ def test_ctrl_c_in_the_static_stage_says_what_resumes(quick_run, tmp_path):
     proc = run_script(*args, *resume)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(json.loads((tmp_path / "results.json").read_text())["static_log"]) == 3
+    # --ranking static trains static gates before the routers: there, nothing is resumable yet
+    said = ctrl_c(["--backbone", str(out / "backbone.pt"), *LATER, "--router", "ranked", "--ranking", "static",
+                   "--static-steps", "100000", "--out", str(tmp_path / "ranking")])
+    assert "steps of the ranking, before the routers: nothing to resume" in said, said[-2000:]
 
 
 BAD_ARGUMENTS = [
