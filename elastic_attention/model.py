@@ -284,6 +284,23 @@ def attention_row(q, k, positions):
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)     # (B, Hq, S)
 
 
+@dataclass
+class Routing:
+    """What every layer's routing needs, settled once per forward (Transformer.routing); the layers
+    read it, and only the count gate's debt changes on the way down."""
+    routed: bool                          # the routers decide (else modes or z given, or every head FULL)
+    modes: torch.Tensor = None            # (L, B, Hkv) kernel modes given by hand
+    z: torch.Tensor = None                # (L, B, Hkv) gate values given by hand, mixed as in training
+    noise: torch.Tensor = None            # (L, B, Hkv) the training gates' uniform noise (None: torch's RNG)
+    lengths: torch.Tensor = None          # (B,) real tokens (the rest is padding)
+    prompt_lengths: torch.Tensor = None   # (B,) tokens a router may read
+    rows_at: torch.Tensor = None          # (B,) record each head's dense attention row there
+    shift: torch.Tensor = None            # (B,) ranked routers: the input's shift of every head's log α
+    prepass_len: torch.Tensor = None      # (B,) tokens of the routing pre-pass (its work counts in Ω_ESR)
+    deployed: tuple = None                # L × (B, Hkv): z chosen over all layers at once (deploy="global")
+    debt: torch.Tensor = None             # (B,) the "count" gate's rounding, carried from layer to layer
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
@@ -346,17 +363,12 @@ class Attention(nn.Module):
         cache.write(self.layer_idx, pos, k, v)
         return cache.attend(self.layer_idx, q[:, :, 0], pos + 1)
 
-    def forward(self, x, cos, sin, modes=None, z=None, lengths=None, prompt_lengths=None, gate_noise=None,
-                rows_at=None, cache=None, debt=None, shift=None, deployed=None):
-        """x (B, S, C) → (out (B, S, C), record). modes (B, Hkv) int or z (B, Hkv) in [0, 1] skip the
-        router. lengths (B,): real tokens (the rest is padding); prompt_lengths (B,): tokens the router
-        may read. rows_at (B,): also record each head's dense attention row there (attention_row).
-        cache: decode one token against it instead (record None). debt (B,): the "count" evaluation
-        gate's rounding, carried from layer to layer. shift (B,): ranked routers' per-input log α shift
-        (Transformer.attach_routers), added to every head's. deployed (B, Hkv): z chosen over all
-        layers at once (deploy="global"), in place of the gate. record: this layer's z, kernel
-        modes, log α, block mask, k/v for a KV cache, and the rows. Transformer.forward has checked
-        the arguments, so the calls below pass check=False (no host sync per layer)."""
+    def forward(self, x, cos, sin, routing, cache=None):
+        """x (B, S, C) → (out (B, S, C), record). routing: what every layer's routing needs, settled
+        once per forward (Routing). cache: decode one token against it instead (record None).
+        record: this layer's z, kernel modes, log α, block mask, k/v for a KV cache, and the rows.
+        Transformer.forward has checked the arguments, so the calls below pass check=False (no host
+        sync per layer)."""
         B, S, _ = x.shape
         q, k, v, k_pre = self.project(x, cos, sin)
         if cache is not None:
@@ -364,12 +376,18 @@ class Attention(nn.Module):
         full_mode, sparse_mode = HEAD_CONFIGS[self.cfg.head_config]
 
         # 1-2. Route: the router reads the prompt's keys and a gate decides z per (sample, KV head).
+        r, i = routing, self.layer_idx
+        modes = None if r.modes is None else r.modes[i]   # given by hand, or None
+        z = None if r.z is None else r.z[i]
         log_alpha = None
-        if modes is None and z is None and self.router is not None:
-            log_alpha = self.router(k_pre, prompt_lengths, check=False)                    # (B, Hkv)
-            if shift is not None:
-                log_alpha = log_alpha + shift[:, None]
-            z = self.gate(log_alpha, gate_noise, debt) if deployed is None else deployed  # (B, Hkv)
+        if r.routed:
+            log_alpha = self.router(k_pre, r.prompt_lengths, check=False)                  # (B, Hkv)
+            if r.shift is not None:   # ranked routers: the input's shift of every head's log α
+                log_alpha = log_alpha + r.shift[:, None]
+            if r.deployed is not None:   # deploy="global": chosen over all layers before the first
+                z = r.deployed[i]                                                          # (B, Hkv)
+            else:
+                z = self.gate(log_alpha, None if r.noise is None else r.noise[i], r.debt)  # (B, Hkv)
         if z is not None:
             modes = torch.where(z > 0.5, full_mode, sparse_mode).to(torch.int32)           # (B, Hkv)
         elif modes is None:
@@ -385,7 +403,7 @@ class Attention(nn.Module):
         if needs_xa:
             c = self.cfg
             block_mask = xattention.xattention_block_mask(q, k, c.block_size, c.xa_stride, c.xa_threshold,
-                                                          c.backend, lengths, check=False)    # (B, Hkv, nB, nB)
+                                                          c.backend, r.lengths, check=False)  # (B, Hkv, nB, nB)
 
         # 3. Attention. Training mix (METHOD.md §5): both outputs, O = z·O_full + (1 − z)·O_sparse.
         # With a hard z the forward is exactly the hybrid model, and d O / d z = O_full − O_sparse.
@@ -412,7 +430,7 @@ class Attention(nn.Module):
             z = (modes != sparse_mode).to(q.dtype)                                             # (B, Hkv)
         out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)                  # (B, S, Hq·D)
         record = dict(z=z, modes=modes, log_alpha=log_alpha, block_mask=block_mask, k=k, v=v, k_pre=k_pre,
-                      rows=None if rows_at is None else attention_row(q, k, rows_at))
+                      rows=None if r.rows_at is None else attention_row(q, k, r.rows_at))
         return self.o_proj(out), record
 
 
@@ -424,8 +442,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, **attn_kwargs):
-        a, record = self.self_attn(self.input_layernorm(x), cos, sin, **attn_kwargs)
+    def forward(self, x, cos, sin, routing, cache=None):
+        a, record = self.self_attn(self.input_layernorm(x), cos, sin, routing, cache)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), record
 
@@ -605,33 +623,11 @@ class Transformer(nn.Module):
         start = 0 if cache is None else cache.n_tokens      # decoding: the new token's position
         cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]   # (S, D)
         x = self.embed_tokens(idx)                                                    # (B, S, C)
+        routing = None if cache is not None else self.routing(idx, x, modes, z, gate_noise, lengths, prompt_lengths,
+                                                              rows_at, routed)
         records = []
-        debt = torch.zeros(B, device=idx.device) if routed else None   # the "count" gate's rounding (router.count_gate)
-        shift, prepass_len = None, None
-        if routed and self.shift_router is not None:  # ranked routers: one log α shift per input
-            if self.cfg.prepass_layers:   # from the pre-pass's residual stream (METHOD.md §4)
-                h, prepass_len = self.prepass(idx, prompt_lengths)                           # (B, C), (B,)
-                shift = self.shift_router.logits(h[:, None]).squeeze(1)                      # (B,)
-            else:                         # from layer 0's keys
-                first = self.layers[0]
-                k_pre = first.self_attn.router_keys(first.input_layernorm(x))                # (B, Hkv, S, D)
-                shift = self.shift_router(k_pre, prompt_lengths, check=False).mean(1)        # (B,)
-        deployed = [None] * len(self.layers)
-        global_count = routed and not self.training and self.cfg.deploy == "global"
-        if global_count and shift is None:
-            raise ValueError('deploy="global" needs ranked routers (attach_routers(ranked=True)): other '
-                             "routers' log α is known only layer by layer")
-        if global_count:  # every head's log α is known before the first layer: one count, one ranking
-            ranking = torch.stack([layer.self_attn.router.log_alpha for layer in self.layers])  # (L, Hkv)
-            everyone = ranking.float()[None] + shift[:, None, None]                             # (B, L, Hkv)
-            chosen = router_lib.count_gate(everyone.flatten(1), torch.zeros(B, device=idx.device), check=False)
-            deployed = chosen.view_as(everyone).unbind(1)                                       # L × (B, Hkv)
-        for i, layer in enumerate(self.layers):
-            x, record = layer(x, cos, sin, modes=None if modes is None else modes[i],
-                              z=None if z is None else z[i],
-                              gate_noise=None if gate_noise is None else gate_noise[i],
-                              lengths=lengths, prompt_lengths=prompt_lengths, rows_at=rows_at, cache=cache,
-                              debt=debt, shift=shift, deployed=deployed[i])
+        for layer in self.layers:
+            x, record = layer(x, cos, sin, routing, cache)
             records.append(record)
         # NaN > 0 is False: a NaN log α would silently be taken as sparse
         if routed and check and torch.stack([r["log_alpha"] for r in records]).isnan().any():
@@ -644,7 +640,33 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.n_tokens = start + S
             return logits, None
-        return logits, self.summarize(records, S, lengths, prepass_len)
+        return logits, self.summarize(records, S, lengths, routing.prepass_len)
+
+    def routing(self, idx, x, modes, z, gate_noise, lengths, prompt_lengths, rows_at, routed):
+        """The forward's Routing: what is given by hand, and for ranked routers what every layer
+        shares, computed once before the first layer: the input's log α shift (from the pre-pass's
+        residual stream or from layer 0's keys, METHOD.md §4) and, with deploy="global", every
+        layer's z (one count and one ranking over all heads)."""
+        B = idx.shape[0]
+        r = Routing(routed, modes, z, gate_noise, lengths, prompt_lengths, rows_at,
+                    debt=torch.zeros(B, device=idx.device) if routed else None)
+        if routed and self.shift_router is not None:  # ranked routers: one log α shift per input
+            if self.cfg.prepass_layers:   # from the pre-pass's residual stream
+                h, r.prepass_len = self.prepass(idx, prompt_lengths)                        # (B, C), (B,)
+                r.shift = self.shift_router.logits(h[:, None]).squeeze(1)                    # (B,)
+            else:                         # from layer 0's keys
+                first = self.layers[0]
+                k_pre = first.self_attn.router_keys(first.input_layernorm(x))                # (B, Hkv, S, D)
+                r.shift = self.shift_router(k_pre, prompt_lengths, check=False).mean(1)      # (B,)
+        if routed and not self.training and self.cfg.deploy == "global":
+            if r.shift is None:
+                raise ValueError('deploy="global" needs ranked routers (attach_routers(ranked=True)): other '
+                                 "routers' log α is known only layer by layer")
+            ranking = torch.stack([layer.self_attn.router.log_alpha for layer in self.layers])  # (L, Hkv)
+            everyone = ranking.float()[None] + r.shift[:, None, None]                           # (B, L, Hkv)
+            chosen = router_lib.count_gate(everyone.flatten(1), torch.zeros(B, device=idx.device), check=False)
+            r.deployed = chosen.view_as(everyone).unbind(1)                                     # L × (B, Hkv)
+        return r
 
     @torch.no_grad()
     def prepass(self, idx, prompt_lengths):

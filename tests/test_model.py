@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 import elastic_attention
 from elastic_attention import kernels, masks
 from elastic_attention.masks import FULL, STREAMING
+from elastic_attention.model import Routing
 
 SETTINGS = settings(max_examples=10, deadline=None)
 
@@ -97,14 +98,15 @@ def test_training_mix_endpoints_and_gradient_wrt_z():
     x = torch.randn(B, 25, cfg.dim, dtype=torch.float64)
     cos, sin = model.rope_cos[:25], model.rope_sin[:25]
     z = torch.rand(B, H, dtype=torch.float64, requires_grad=True)
-    out, _ = layer(x, cos, sin, z=z)
+    at = lambda z: Routing(routed=False, z=z[None])   # z for layer 0, given by hand   # noqa: E731
+    out, _ = layer(x, cos, sin, at(z))
     R = torch.randn_like(out)
     (grad,) = torch.autograd.grad((out * R).sum(), z)
     for b in range(B):
         for h in range(H):
             hi, lo = z.detach().clone(), z.detach().clone()
             hi[b, h], lo[b, h] = 1.0, 0.0
-            diff = ((layer(x, cos, sin, z=hi)[0] - layer(x, cos, sin, z=lo)[0]) * R).sum()
+            diff = ((layer(x, cos, sin, at(hi))[0] - layer(x, cos, sin, at(lo))[0]) * R).sum()
             torch.testing.assert_close(grad[b, h], diff, rtol=1e-9, atol=1e-9)
 
 
@@ -149,7 +151,6 @@ def test_attention_rows_equal_walking_the_layers_by_hand(G, dtype):
 
     S, D = idx.shape[1], cfg.head_dim
     cos, sin = model.rope_cos[:S], model.rope_sin[:S]
-    full = torch.full((3, cfg.n_kv_heads), FULL, dtype=torch.int32)
     causal = masks.causal(None, None, torch.arange(S).view(S, 1), torch.arange(S).view(1, S))  # (S, S)
     x = model.embed_tokens(idx)
     with torch.no_grad():
@@ -163,7 +164,7 @@ def test_attention_rows_equal_walking_the_layers_by_hand(G, dtype):
             dense = (q.double() @ k.double().transpose(-2, -1) / D ** 0.5).masked_fill(~causal, float("-inf"))
             want = torch.softmax(dense, dim=-1)[torch.arange(3), :, positions]   # (B, Hq, S)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-            x, _ = layer(x, cos, sin, modes=full)
+            x = layer.dense(x, cos, sin)
 
 
 def test_logits_at_positions_equal_the_full_grid():

@@ -11,6 +11,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from elastic_attention import router
+from elastic_attention.model import Routing
 from elastic_attention.router import (AttentionRouter, SparsityLagrangian, boundary_pool, build_optimizer, count_gate,
                     deterministic_gate, freeze_backbone, gumbel_softmax_gate, hard_concrete_gate,
                     hard_concrete_sample, omega_msr, prob_full, prob_gradient, prob_nonzero, prob_one,
@@ -833,7 +834,7 @@ def test_prepass_reads_only_the_prompts_boundaries(prompt_len, restore_rng):
     # The same residual stream as the model run on the read tokens alone, stopped after 2 layers.
     alone = model.embed_tokens(idx[:1, read])
     for layer in model.layers[:2]:
-        alone, _ = layer(alone, model.rope_cos[:len(read)], model.rope_sin[:len(read)])
+        alone, _ = layer(alone, model.rope_cos[:len(read)], model.rope_sin[:len(read)], Routing(routed=False))
     torch.testing.assert_close(h[0], alone[0, -1])
     shift = lambda ids: torch.stack(model.eval()(ids, prompt_lengths=prompt_lengths)[1]["log_alpha"])  # (L, B, Hkv)
     changed = idx.clone()
