@@ -611,7 +611,7 @@ class Transformer(nn.Module):
 
         check: the arguments are checked here, once, values included (a handful of host syncs), and
         the layers trust them; after the layers, one more sync finds a NaN log α. check=False skips
-        all of that, for a caller that has checked the same inputs: train_router.StepGraph records
+        all of that, for a caller that has checked the same inputs: elastic_lab.runs.StepGraph records
         its training step as a CUDA graph, which cannot hold a host sync.
         """
         routed = self.routers is not None and modes is None and z is None and cache is None

@@ -457,7 +457,7 @@ class SparsityLagrangian(nn.Module):
         task_counts (T,): samples per task in the whole batch when this call sees only a shard of
         it (data parallel). The result is then this shard's share: the shares of all shards add up
         to the term of the whole batch, exactly (an empty shard's share is 0). check=False: the caller
-        has checked task_ids' values (a host sync; train_router.StepGraph records the step)."""
+        has checked task_ids' values (a host sync; elastic_lab.runs.StepGraph records the step)."""
         if omega.dim() != 1 or not isinstance(task_ids, torch.Tensor) or task_ids.shape != omega.shape:
             raise ValueError(f"omega and task_ids must both be (B,), got {tuple(omega.shape)} and "
                              f"{tuple(task_ids.shape) if isinstance(task_ids, torch.Tensor) else task_ids!r}")

@@ -4,4 +4,5 @@
     bench.py    kernel and router-step timings against SDPA and FlexAttention
     report.py   tables and plots of train_router.py's runs
     probe.py    where SmolLM2's residual stream tells a prompt's need for far retrieval
+    runs.py     train_router.py's run machinery: run folders, stop signals, torchrun, CUDA-graph steps
 """

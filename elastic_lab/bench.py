@@ -76,10 +76,11 @@ from elastic_attention import kernels  # noqa: E402
 from elastic_attention import masks  # noqa: E402
 from elastic_attention import router as router_lib  # noqa: E402
 from elastic_attention import tasks  # noqa: E402
-import train_router  # noqa: E402
 from elastic_attention import xattention  # noqa: E402
 from elastic_attention import Config, Transformer, write_atomic  # noqa: E402
 from elastic_attention.masks import BLOCK_SPARSE, FULL, STREAMING  # noqa: E402
+from elastic_lab import runs  # noqa: E402
+import train_router  # noqa: E402   the router step it times
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float16    # Triton's interpreter has no bf16
@@ -552,7 +553,7 @@ def train_batch(cfg, B, S, gen):
 
 def train_row(preset, shape, dtype, B, S, args, gen):
     """One preset: train_router.train_step run op by op (eager) and replayed as a CUDA graph
-    (train_router.StepGraph), each from the same weights and batch, timed over 10 steps after 3 of
+    (runs.StepGraph), each from the same weights and batch, timed over 10 steps after 3 of
     warm-up; busy: GPU kernel time over the wall time of 3 profiled steps; syncs: host-device
     synchronisations in one step (torch's sync debug mode); loss: the first step's."""
     flags = train_router.build_parser().parse_args(
@@ -569,7 +570,7 @@ def train_row(preset, shape, dtype, B, S, args, gen):
     b = {k: v.to(DEVICE) for k, v in train_batch(model.cfg, B, S, gen).items()}
     start = [{k: v.clone() for k, v in m.state_dict().items()} for m in (model, lagrangian)]
     rec = dict(preset=preset, B=B, S=S)
-    graphed = [("graph_", train_router.StepGraph(params + list(lagrangian.parameters())))] if CUDA else []
+    graphed = [("graph_", runs.StepGraph(params + list(lagrangian.parameters())))] if CUDA else []
     for name, graph in [("", None)] + graphed:
         for m, state in zip((model, lagrangian), start):   # both from the same routers and λ, AdamW afresh
             m.load_state_dict(state)

@@ -276,6 +276,8 @@ BAD_ARGUMENTS = [
     (["--logit-penalty", "-0.1"], "--logit-penalty must be a finite number >= 0, got -0.1"),
     (["--consistency", "-1"], "--consistency must be a finite number >= 0, got -1.0"),
     (["--router-init", "nan"], "--router-init must be a finite number, got nan"),
+    (["--clip", "-1"], "--clip must be a finite number > 0, got -1.0"),
+    (["--router-norm", "maybe"], "argument --router-norm: expected true or false, got 'maybe'"),
     (["--data-workers", "-1"], "--data-workers must be >= 0, got -1"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
     (["--out", "README.md"], "is a file, not a folder"),
@@ -331,6 +333,21 @@ def test_a_run_folder_belongs_to_one_run(quick_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "results.json").read_text())["seed"] == 0
     assert not (tmp_path / "static.pt").exists()   # --no-static: the old run's static gates are gone
+
+
+def test_presets_change_only_settings_of_the_table_and_flags_reach_them():
+    """A preset's typo would be a setting nothing reads: every preset key is in SETTINGS. A flag
+    named after a setting overrides the preset's value, booleans as a bare flag or true/false."""
+    import train_router
+    for name, preset in train_router.PRESETS.items():
+        assert set(preset) <= set(train_router.SETTINGS), (name, set(preset) - set(train_router.SETTINGS))
+    argv = ["--abs-lagrangian", "--router-norm", "false", "--clip", "2", "--targets", "auto,0.9", "--steps", "7"]
+    P, targets = train_router.settings_from(train_router.build_parser().parse_args(argv))
+    assert (P["abs_lagrangian"], P["router_norm"], P["clip"], P["steps"]) == (True, False, 2.0, 7)
+    assert targets == P["targets"] == ["auto", 0.9]
+    P, _ = train_router.settings_from(train_router.build_parser().parse_args(["--preset", "gpu", "--seq-len", "512",
+                                                                                 "--device", "cpu"]))
+    assert (P["router"], P["lambda_lr"], P["eval_seq_lens"]) == ("ranked", 6e-2, (512,))   # the preset's, scaled
 
 
 @pytest.mark.parametrize("argv, deploy", [([], "threshold"), (["--deploy", "count"], "count"),
@@ -601,7 +618,7 @@ def test_two_processes_train_the_same_routers_as_one(tmp_path, router):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("router", ["mlp", "ranked"])
 def test_graphed_steps_train_what_eager_steps_train(tmp_path, router):
-    """On one GPU each training step replays a CUDA graph (train_router.StepGraph): the same log and
+    """On one GPU each training step replays a CUDA graph (elastic_lab.runs.StepGraph): the same log and
     routers as --eager, op by op. Batches of 2 rotate the tasks, so the answer length K (a batch's
     shape) changes between steps, and the step is recorded afresh; the static stage records its own."""
     common = ["--device", "cuda", "--backend", "auto", "--router", router, "--steps", "8", "--static-steps", "4",

@@ -451,7 +451,7 @@ def test_a_forward_reads_given_modes_once_and_its_own_never(monkeypatch):
 def test_a_forward_reads_values_at_its_entry_not_in_every_layer(monkeypatch):
     """A value read on the host is a GPU sync, and a CUDA graph cannot record one. The forward checks
     its inputs once and its layers trust them: a model twice as deep reads no more values, and
-    check=False (what train_router.StepGraph records) reads none. The "reference" backend: "torch"
+    check=False (what elastic_lab.runs.StepGraph records) reads none. The "reference" backend: "torch"
     asks in every layer whether the heads share a mode (a sync that picks the kernel, not a check)."""
     reads = []
     for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
