@@ -855,7 +855,8 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
                        "--seq-len", "896", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
                        "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2",
                        "--prepass-layers", "1", "--out", str(out)])
-    assert shapes == [(8, 896)] * 4, shapes   # padded to one shape: StepGraph records once
+    # the ranking, the routers, the static gates: 2 steps each, padded to one shape (StepGraph records once)
+    assert shapes == [(8, 896)] * 6, shapes
     res = json.loads((out / "results.json").read_text())
     assert set(res["results"]["elastic"]) == set(smollm2.TRAIN_NAMES)   # never the held-out families
     assert res["decoded_answers"] and len(res["train_log"]) == 2 and len(res["static_log"]) == 2
