@@ -110,13 +110,13 @@ SETTINGS = dict(
     lambda_schedule="cosine",  # λ's lr after the warm-up: down with the routers' ("constant": held)
     abs_lagrangian=False,     # True: the authors' λ1·|Ω − t| instead of λ1·(Ω − t)
     # the trained static baseline (DuoAttention / PruLong): one logit per KV head
-    static_steps=300,
+    static_steps=300,         # half the routers': one logit per head to learn
     static_lr=2e-2,           # DuoAttention's
     # evaluation
     eval_per_task=128,        # held-out inputs per task
     calib_per_task=None,      # calibration prompts per task (None: as eval_per_task)
     test_per_task=None,       # smollm2: inputs per family of each held-out condition
-    eval_batch=64,
+    eval_batch=64,            # inputs per evaluation forward
     eval_seq_lens=None,       # lengths evaluated (None: seq_len)
     curve_points=11,          # points of the progressive-sparsification curve
 )
@@ -127,9 +127,9 @@ RANKED = dict(
     router_lr=1e-3,
     clip=5.0,                 # clipping and the logit penalty keep log α where the gate passes gradient
     router_init=-1.5,         # Ω ≈ 0.82, between the targets: the multipliers pull apart from the first step
-    consistency=3.0,
-    router_norm=True,
-    loss="balanced",
+    consistency=3.0,          # the inputs of one task share a head set
+    router_norm=True,         # the count router's input standardised (pre-pass: whitened) on calibration prompts
+    loss="balanced",          # every task weighs alike, however many answer tokens it has
     deploy="global",          # one count over all layers: per layer, a gpu seed's kv_recall lost one of layer 0's heads
     lambda_schedule="constant",  # decayed, two smollm2 seeds of three deployed 0.03-0.05 denser than the target
     static_steps=150,
@@ -149,7 +149,7 @@ PRESETS = {
         backend="auto", backbone=None, backbone_stages=(),
         haystack=("news", "pydoc"),   # wiki is held out
         prepass_layers=5, pool_tokens=256,   # the count reads a pre-pass's residual: it tells need, keys do not
-        ranking="static",     # trained with the count, the ranking chose heads that lost 2-14 points on held-out prompts
+        ranking="static",     # trained with the count, the ranking chose heads that lost 0.5-10 points held out
         batch_size=8,
         targets=(0.45, 0.95),  # 0.6: the inputs sent sparsest failed; 0.5: one seed of three lost 8 inputs
         lambda_lr=4e-2,
@@ -190,15 +190,22 @@ def build_parser():
     for key, value in SETTINGS.items():
         if key in FIXED:
             continue
-        kind = dict(type=parse_bool, nargs="?", const=True, metavar="true|false") if isinstance(value, bool) else \
-            dict(type=float, metavar="X") if isinstance(value, float) or key == "clip" else \
-            dict(type=int, metavar="N") if isinstance(value, int) or key.endswith(("_steps", "_per_task", "_tokens")) \
-            else dict(metavar=None if key in CHOICES else "TEXT")
         values = {name: preset.get(key, value) for name, preset in PRESETS.items()}
         shown = [f"{name} {show_setting(v)}" for name, v in values.items()]
-        g.add_argument(f"--{key.replace('_', '-')}", choices=CHOICES.get(key), **kind,
+        g.add_argument(f"--{key.replace('_', '-')}", **setting_flag(key, value),
                        help=" · ".join(shown) if len(set(map(repr, values.values()))) > 1 else show_setting(value))
     return p
+
+
+def setting_flag(key, value):
+    """argparse's keywords for a setting's flag, from the type of its value in the table."""
+    if isinstance(value, bool):   # --abs-lagrangian alone means true
+        return dict(type=parse_bool, nargs="?", const=True, metavar="true|false")
+    if isinstance(value, float) or key == "clip":
+        return dict(type=float, metavar="X")
+    if isinstance(value, int) or key.endswith(("_steps", "_per_task", "_tokens")):   # counts, some None in the table
+        return dict(type=int, metavar="N")
+    return dict(choices=CHOICES.get(key), metavar=None if key in CHOICES else "TEXT")
 
 
 def show_setting(value):
