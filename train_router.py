@@ -611,7 +611,14 @@ def train_batches(run, start, steps):
     workers = run.P["data_workers"] if run.P["data_workers"] is not None else 4 * (run.device.type == "cuda")
     return torch.utils.data.DataLoader(TrainBatches(run), batch_size=None, sampler=range(start, steps),
                                        num_workers=workers, pin_memory=workers > 0 and run.device.type == "cuda",
-                                       prefetch_factor=4 if workers else None)
+                                       prefetch_factor=4 if workers else None, worker_init_fn=leave_stops_to_main)
+
+
+def leave_stops_to_main(worker_id):
+    """A terminal's Ctrl-C, `timeout` and schedulers signal every process of the run: a worker that
+    died of it would crash the main process before it could finish its step and save."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def noise_generator(seed, static, step):

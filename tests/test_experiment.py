@@ -162,19 +162,24 @@ def test_resume_continues_from_the_router_checkpoint(quick_run, tmp_path):
     assert [r["lr"] for r in log[3:]] == pytest.approx([peak * 0.5 * (1 + math.cos(math.pi * p)) for p in (0.5, 0.75)])
 
 
-def ctrl_c(args, header=1, sig=signal.SIGINT, at="step | loss", said="interrupted after"):
+def ctrl_c(args, header=1, sig=signal.SIGINT, at="step | loss", said="interrupted after", group=False):
     """Run the script and press Ctrl-C (or send `sig`) as the `header`-th training loop starts (its
     signal handler is in place once the loop prints its header), or as the `header`-th line holding
-    `at` is printed. Returns everything the run printed, which must hold `said` and no traceback."""
+    `at` is printed; group=True sends it to the run's whole process group, worker processes included,
+    as a terminal's Ctrl-C, `timeout` or a scheduler does. Returns everything the run printed, which
+    must hold `said` and no traceback."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_router.py"), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=group)
     for line in proc.stdout:
         header -= at in line  # e.g. the header of a training loop (routers: or static gates:)
         if not header:
             break
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     rest, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0 and said in rest and "Traceback" not in rest, rest[-2000:]
     return rest
@@ -199,6 +204,17 @@ def test_sigterm_saves_as_ctrl_c_does_and_says_so_at_any_stage(quick_run, tmp_pa
     assert torch.load(tmp_path / "term" / "router.pt", weights_only=True)["step"] >= 1
     ctrl_c([*args, "--out", str(tmp_path / "early")], sig=signal.SIGTERM, at="backbone:",
            said="interrupted (SIGTERM): nothing saved yet")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_process_group_with_batch_workers_saves(quick_run, tmp_path, sig):
+    """`timeout`, a scheduler or a terminal's Ctrl-C signal the batch-building worker processes too
+    (the GPU default has 4): the workers must leave the stop to the main process, which saves."""
+    out, _ = quick_run
+    said = ctrl_c(["--backbone", str(out / "backbone.pt"), *LATER, "--steps", "100000", "--no-static",
+                   "--data-workers", "2", "--out", str(tmp_path)], sig=sig, at="   0 | ", group=True)
+    assert f"continue with --resume {tmp_path / 'router.pt'}" in said, said[-2000:]
+    assert torch.load(tmp_path / "router.pt", weights_only=True)["step"] >= 1
 
 
 def test_sigterm_to_a_seeds_run_reaches_the_child_and_says_how_to_go_on(quick_run, tmp_path):
