@@ -98,7 +98,7 @@ SETTINGS = dict(
     rank_lr=5e-3,             # ranked routers: the shared ranking's lr
     clip=None,                # the routers' gradient-norm clip (None: none)
     logit_penalty=0.03,       # μ·mean(log α²): ~30 % of gate draws still pass gradient at the end (without: 1-2 %)
-    router_init=0.0,          # log α at the start: Ω ≈ 0.5 (ranking "static": the mean of its logits)
+    router_init=0.0,          # log α at the start: Ω ≈ 0.5 (ranking "static": the trained ranking's instead)
     consistency=0.0,          # μ_c·Σ(P(FULL) − its task's batch mean)²: the inputs of a task share a head set
     router_norm=False,        # standardise the routers' inputs with calibration statistics
     loss="tokens",            # the LM loss over answer tokens; "balanced": every task weighs alike
@@ -722,7 +722,7 @@ def log_row(run, model, sens, step, parts, omega, log_alpha, b, lr, lam):
 def train_gates(run, model, settings, static, targets, path, resume=None, ranking=None):
     """Train the routers (static=False) or one gate per KV head (static=True) on the frozen backbone.
     targets: one Ω_MSR target per task; ranking: ranked routers' per-head logits (L, Hkv), held fixed
-    (--ranking static) once moved so that their mean is router_init. Returns (per-step log, gate parameters); the gates stay in model."""
+    (--ranking static). Returns (per-step log, gate parameters); the gates stay in model."""
     P, cfg = run.P, model.cfg
     # The static gates start at their target (all tasks share it). Started elsewhere they ended far from it:
     # SmolLM2's from Ω 0.82 overshot to 0.63 against 0.75, the tiny preset's from 0.5 reached 0.61 against ~0.85.
@@ -733,12 +733,9 @@ def train_gates(run, model, settings, static, targets, path, resume=None, rankin
         fit_router_inputs(run, model)
     router_lib.freeze_backbone(model)   # and every gate parameter trainable
     if ranked and P["ranking"]:   # only the count trains; a resumed run reloads the ranking below
-        # Only the order carries over: the count starts at router_init (Ω ≈ 0.82, between the targets),
-        # not at the sensitive target the ranking trained at, from where the robust inputs climbed too far.
-        offset = None if ranking is None else P["router_init"] - torch.cat(list(ranking)).mean()
         for i, r in enumerate(model.routers):
             if ranking is not None:
-                r.log_alpha.data.copy_(ranking[i] + offset)
+                r.log_alpha.data.copy_(ranking[i])
             r.log_alpha.requires_grad_(False)
         params = [p for p in params if p.requires_grad]
     # Ranked routers: the per-head logits (the ranking) train at their own lr, the shift router at the routers'.
