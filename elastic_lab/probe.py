@@ -15,10 +15,19 @@ prompts (1.0: every robust prompt scores above every sensitive one; 0.5: chance)
 
     python -m elastic_lab.probe                       # CPU is fine: the pass reads ~100 tokens per prompt
     python -m elastic_lab.probe --per-task 32 --out runs/probe.json
+
+With --routers, it routes instead: the Ω_MSR a train_router.py run's trained routers give that run's
+own evaluation prompts, in-template and per held-out condition, with each category gap and per-input
+AUC. Ranked routers with one global count decide from the pre-pass alone, so this needs no 4K
+forward: minutes on a CPU, the same Ω as the run's results.json. Any train_router.py flag the run
+was given (say --test-per-task 16) rebuilds its inputs; preset, seed and length come from router.pt.
+
+    python -m elastic_lab.probe --routers smollm2_routers.pt
 """
 import argparse
 import json
 import os
+import statistics
 import sys
 
 if __name__ == "__main__":
@@ -100,7 +109,93 @@ def args_device(model):
     return model.lm_head.weight.device
 
 
+@torch.no_grad()
+def route_held_out(run, model, conditions=None):
+    """{condition: {family: [Ω_MSR per input]}}: what the model's trained routers decide for a
+    train_router Run's evaluation prompts ("in_template": its split "eval") and each held-out
+    condition's test prompts (or those named), from Transformer.routing alone (the pre-pass and one
+    global count)."""
+    if model.shift_router is None or model.cfg.deploy != "global":
+        raise ValueError("routing alone needs ranked routers deployed by one global count (the smollm2 preset's): "
+                         "other routers decide layer by layer, inside the forward")
+    model.eval()
+    out = {}
+    for condition in conditions or run.suite.conditions:
+        families = run.suite.conditions[condition]
+        split = "eval" if condition == "in_template" else f"test:{condition}"
+        out[condition] = {}
+        for name in run.suite.names if condition == "in_template" else families:
+            omegas = []
+            for i in range(run.n_batches(split)):
+                b = run.held_out(name, i, None, split)
+                x = model.embed_tokens(b["tokens"])   # read only by a count router on layer 0's keys
+                r = model.routing(b["tokens"], x, None, None, None, b.get("lengths"), b["prompt_lengths"], None, True)
+                omegas += (1 - torch.stack(r.deployed).float().mean((0, 2))).tolist()   # L × (B, Hkv) → (B,)
+            out[condition][name] = omegas
+    return out
+
+
+def load_run(routers, device, flags=()):
+    """(Run, model with the routers, their settings): a smollm2 run's evaluation inputs rebuilt from its
+    router.pt (preset, seed, length, text) and any train_router flags the run was given."""
+    import train_router
+    try:
+        s = elastic_attention.read_checkpoint(routers, keys=("settings", "routers"))["settings"]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --routers {routers!r}: {e}")
+    argv = ["--preset", s["preset"], "--seed", str(s["seed"]), "--seq-len", str(s["seq_len"]), "--device", device,
+            "--backend", "torch", *(["--haystack", ",".join(s["haystack"])] if s.get("haystack") else []), *flags]
+    run_args = train_router.build_parser().parse_args(argv)
+    P, _ = train_router.settings_from(run_args)
+    if P["suite"] != "smollm2":
+        raise SystemExit(f"error: {routers!r} is a {P['suite']} run's: routing alone is for the smollm2 preset")
+    suite, model, cfg = train_router.load_suite(P, run_args, 0, 1)
+    run = train_router.Run(P, run_args, torch.device(device), suite, out_dir=None)
+    model, _ = train_router.build_backbone(run, cfg, model)
+    differ = {k: (v, getattr(cfg, k)) for k, v in s["config"].items() if k != "backend" and v != getattr(cfg, k, v)}
+    if differ:
+        raise SystemExit(f"error: the routers were trained with {', '.join(f'{k} {a}' for k, (a, _) in differ.items())}; "
+                         f"these inputs' run has {', '.join(f'{k} {b}' for k, (_, b) in differ.items())}: "
+                         "give the flags the run was given")
+    try:
+        smollm2.load_routers(model, smollm2.read_routers(routers, cfg.n_layers, cfg.head_dim, cfg.n_kv_heads, cfg.dim))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    return run, model, s
+
+
+def route_main(args, flags):
+    """--routers: route the run's prompts and print Ω per family, the category gap and the AUC."""
+    run, model, s = load_run(args.routers, args.device, flags)
+    cats = {t.name: t.category for t in smollm2.TASKS}
+    print(f"routing of {args.routers} on its run's prompts (preset {s['preset']}, seed {s['seed']}, "
+          f"{s['seq_len']} tokens, {args.device}): Ω_MSR per family; category gap; per-input AUC\n"
+          f"text: {smollm2.text_fingerprint(run.P['haystack'])} (in-template prompts are the run's where its "
+          "results.json names the same; pydoc's differs between Python releases)", flush=True)
+    table, routes = {}, {}
+    for condition in run.suite.conditions:
+        fams = routes[condition] = route_held_out(run, model, [condition])[condition]
+        low = [w for t, ws in fams.items() if cats[t] == "sensitive" for w in ws]
+        high = [w for t, ws in fams.items() if cats[t] == "robust" for w in ws]
+        row = table[condition] = dict(sensitive=statistics.mean(low), robust=statistics.mean(high),
+                                      gap=statistics.mean(high) - statistics.mean(low), auc=report.auc(low, high),
+                                      families={t: statistics.mean(ws) for t, ws in fams.items()})
+        print(f"{condition:<14} sensitive {row['sensitive']:.2f}  robust {row['robust']:.2f}  gap {row['gap']:+.2f}  "
+              f"AUC {row['auc']:.2f}   " + " ".join(f"{t} {w:.2f}" for t, w in row["families"].items()), flush=True)
+    if args.out:
+        summary = dict(routers=args.routers, flags=flags, table=table, omegas=routes)
+        elastic_attention.write_atomic(args.out, lambda f: f.write(json.dumps(summary, indent=1).encode()))
+
+
 def main(argv=None):
+    # --routers first: every other flag then belongs to the run (train_router.py's), none to the probe
+    route = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    route.add_argument("--routers")
+    route.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    route.add_argument("--out")
+    r, flags = route.parse_known_args(argv)
+    if r.routers:
+        return route_main(r, flags)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--per-task", type=int, default=16, help="prompts per task family and condition (default 16)")
     p.add_argument("--seq-len", type=int, default=4096, help="prompt length in tokens (default 4096)")
@@ -109,7 +204,9 @@ def main(argv=None):
     p.add_argument("--dev", action="store_true", help="test on the development set (dev wordings, other "
                                                       "seeds), where choices are made; default: the test set")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", help="write the AUC table here as JSON")
+    p.add_argument("--out", help="write the AUC table (with --routers: the routing table) here as JSON")
+    p.add_argument("--routers", help="a smollm2 run's router.pt: route that run's evaluation prompts instead "
+                                     "(then any train_router.py flag the run was given)")
     args = p.parse_args(argv)
     if args.per_task < 2:
         raise SystemExit(f"error: --per-task must be >= 2, got {args.per_task}")

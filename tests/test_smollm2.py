@@ -870,3 +870,33 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     assert res["evaluation_batches"]["done"] == res["evaluation_batches"]["planned"]   # the bars end full
     assert res["settings"]["config"]["prepass_layers"] == 1 and res["held_out_tasks"] == {
         "place": "sensitive", "recent_name": "robust"}
+    # Routing alone (python -m elastic_lab.probe --routers): the Ω the run's evaluation gave every input
+    from elastic_lab import probe
+    run_flags = ["--gguf", tiny_file[0], "--eval-per-task", "2", "--calib-per-task", "2", "--test-per-task", "2",
+                 "--prepass-layers", "1"]   # the run's own flags: they rebuild its inputs
+    flags = ["--routers", str(out / "router.pt"), "--device", "cpu", "--out", str(tmp_path / "routes.json"), *run_flags]
+    with pytest.raises(SystemExit, match="trained with prepass_layers 1; these inputs' run has prepass_layers 2"):
+        probe.main([*flags, "--prepass-layers", "2"])
+    probe.main(flags)
+    routes = json.loads((tmp_path / "routes.json").read_text())["omegas"]
+    assert set(routes) == set(smollm2.CONDITIONS)
+    for condition, families in routes.items():
+        ran = res["results"] if condition == "in_template" else res["held_out"][condition]
+        assert {t: [round(w, 4) for w in ws] for t, ws in families.items()} == {
+            t: v["omegas"] for t, v in ran["elastic"].items()}, condition
+    # Two steps left every input at one Ω: with a count router that tells inputs apart, routing alone
+    # must still be what the forward deploys, input by input
+    run, model, _ = probe.load_run(str(out / "router.pt"), "cpu", run_flags)
+    with torch.no_grad():
+        model.shift_router.readout.weight.normal_(0, 1, generator=torch.Generator().manual_seed(0))
+        b = run.held_out("passkey", 0, None, "test:decoys")
+        shift = model.routing(b["tokens"], None, None, None, None, None, b["prompt_lengths"], None, True).shift
+        model.shift_router.readout.bias -= shift.mean()   # counts spread around the middle
+    routes = probe.route_held_out(run, model)
+    for condition in ("in_template", "decoys"):
+        names = list(routes[condition])
+        ran = train_router.evaluate(run, model, names=names, split="eval" if condition == "in_template" else
+                                    f"test:{condition}")
+        assert {t: [round(w, 4) for w in ws] for t, ws in routes[condition].items()} == {
+            t: v["omegas"] for t, v in ran.items()}, condition
+    assert len({w for ws in routes["decoys"].values() for w in ws}) > 2, routes["decoys"]
