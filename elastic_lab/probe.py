@@ -128,7 +128,7 @@ def route_held_out(run, model, conditions=None):
             omegas = []
             for i in range(run.n_batches(split)):
                 b = run.held_out(name, i, None, split)
-                x = model.embed_tokens(b["tokens"])   # read only by a count router on layer 0's keys
+                x = None if model.cfg.prepass_layers else model.embed_tokens(b["tokens"])   # layer 0's keys need it
                 r = model.routing(b["tokens"], x, None, None, None, b.get("lengths"), b["prompt_lengths"], None, True)
                 omegas += (1 - torch.stack(r.deployed).float().mean((0, 2))).tolist()   # L × (B, Hkv) → (B,)
             out[condition][name] = omegas
