@@ -70,10 +70,17 @@ def features(model, batch):
                 last=torch.stack([x[rows, n - 1] for x, _ in seen]))
 
 
-def fit_probe(x, y, steps=200, l2=1e-2):
-    """Logistic regression on standardised features: x (N, F), y (N,) 1 = robust. Returns a scorer."""
-    mu, sd = x.mean(0), x.std(0).clamp(min=1e-6)
-    z = (x - mu) / sd
+def fit_probe(x, y, steps=200, l2=1e-2, whiten=False):
+    """Logistic regression on standardised features: x (N, F), y (N,) 1 = robust. Returns a scorer.
+    whiten=True whitens them instead, as the count router does (router.fit_whitening)."""
+    if whiten:
+        r = router_lib.CountRouter(x.shape[1])
+        router_lib.fit_whitening(r, x)
+        transform = lambda t: (t - r.in_shift.float()) @ r.whiten.float()
+    else:
+        mu, sd = x.mean(0), x.std(0).clamp(min=1e-6)
+        transform = lambda t: (t - mu) / sd
+    z = transform(x)
     w = torch.zeros(x.shape[1], requires_grad=True)
     b = torch.zeros((), requires_grad=True)
     opt = torch.optim.LBFGS([w, b], max_iter=steps, line_search_fn="strong_wolfe")
@@ -84,7 +91,7 @@ def fit_probe(x, y, steps=200, l2=1e-2):
         loss.backward()
         return loss
     opt.step(closure)
-    return lambda x2: (((x2 - mu) / sd) @ w + b).detach()
+    return lambda x2: (transform(x2) @ w + b).detach()
 
 
 def collect(model, tokenizer, names, n, seq_len, seed, condition=None, dev=False):
@@ -103,6 +110,38 @@ def collect(model, tokenizer, names, n, seq_len, seed, condition=None, dev=False
         feats.append({k: v.float().cpu() for k, v in features(model, {k: v.to(args_device(model)) for k, v in b.items()}).items()})
         labels += [float(smollm2.get_task(name).category == "robust")] * n
     return {k: torch.cat([f[k] for f in feats], 1) for k in feats[0]}, torch.tensor(labels)
+
+
+def select_depth(model, tokenizer, n, seq_len, seed):
+    """The development protocol that chooses the pre-pass depth without a held-out family, wording or
+    text: {reader: {layer: {check: AUC}}} of the last-token residual, for the standardised and the
+    whitened (count router's) reader. Checks, all on development wordings of trained families:
+    "families", leave one sensitive and one robust trained family out of the fit, score those two
+    (mean over the 4 × 3 pairs); "wordings", "question_only", "decoys" as the test conditions are made."""
+    names = [t.name for t in smollm2.TASKS if not t.held_out]
+    x, y = collect(model, tokenizer, names, n, seq_len, seed)
+    family = torch.arange(len(names)).repeat_interleave(n)
+    dev = {c: collect(model, tokenizer, names, n, seq_len, seed + 2, c, dev=True)
+           for c in ("wordings", "question_only", "decoys")}
+    pairs = [(i, j) for i, a in enumerate(names) for j, b in enumerate(names)
+             if smollm2.get_task(a).category == "sensitive" and smollm2.get_task(b).category == "robust"]
+    auc = lambda score, yy: report.auc(score[yy == 0].tolist(), score[yy == 1].tolist())
+    table = {}
+    for reader in ("standardised", "whitened"):
+        for layer in range(1, model.cfg.n_layers):   # layer d: the residual after d layers
+            xs = x["last"][layer]
+            probe = fit_probe(xs, y, whiten=reader == "whitened")
+            row = {c: auc(probe(tx["last"][layer]), ty) for c, (tx, ty) in dev.items()}
+            lofo = []
+            for i, j in pairs:
+                keep = (family != i) & (family != j)
+                held = (family == i) | (family == j)    # dev["wordings"] lists families as x does
+                probe = fit_probe(xs[keep], y[keep], whiten=reader == "whitened")
+                lofo.append(auc(probe(dev["wordings"][0]["last"][layer][held]), dev["wordings"][1][held]))
+            row["families"] = statistics.mean(lofo)
+            table.setdefault(reader, {})[layer] = row
+        print(f"{reader}: done", file=sys.stderr, flush=True)
+    return table
 
 
 def args_device(model):
@@ -187,6 +226,24 @@ def route_main(args, flags):
         elastic_attention.write_atomic(args.out, lambda f: f.write(json.dumps(summary, indent=1).encode()))
 
 
+def select_main(args, table):
+    """Print select_depth's table and the depth with the best mean, per reader."""
+    checks = list(next(iter(table["whitened"].values())))
+    print(f"development AUC of the last-token residual by pre-pass depth ({args.per_task} prompts per trained family, "
+          f"{args.pool_tokens} tokens at each end; families: one sensitive and one robust family left out of the fit)")
+    print(f"{'depth':<7}" + "".join(f"{r[:5]} {c[:10]:<11}" for r in table for c in checks))
+    for layer in table["whitened"]:
+        print(f"{layer:<7}" + "".join(f"{table[r][layer][c]:<17.3f}" for r in table for c in checks))
+    for reader, rows in table.items():
+        mean = {layer: statistics.mean(row.values()) for layer, row in rows.items()}
+        best = max(mean, key=mean.get)
+        print(f"{reader}: best depth {best} (mean {mean[best]:.3f})")
+    if args.out:
+        summary = dict(per_task=args.per_task, seq_len=args.seq_len, pool_tokens=args.pool_tokens, seed=args.seed,
+                       select=table)
+        elastic_attention.write_atomic(args.out, lambda f: f.write(json.dumps(summary, indent=1).encode()))
+
+
 def main(argv=None):
     # --routers first: every other flag then belongs to the run (train_router.py's), none to the probe
     route = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -203,6 +260,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dev", action="store_true", help="test on the development set (dev wordings, other "
                                                       "seeds), where choices are made; default: the test set")
+    p.add_argument("--select", action="store_true", help="choose the pre-pass depth on development prompts "
+                                                         "of the trained families only (select_depth)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="write the AUC table (with --routers: the routing table) here as JSON")
     p.add_argument("--routers", help="a smollm2 run's router.pt: route that run's evaluation prompts instead "
@@ -213,6 +272,8 @@ def main(argv=None):
     model, tokenizer = smollm2.from_gguf(smollm2.fetch_gguf(), backend="torch", pool_tokens=args.pool_tokens)
     model.to(args.device)
     model.cfg.prepass_layers = model.cfg.n_layers     # run every layer: the hooks read each one
+    if args.select:
+        return select_main(args, select_depth(model, tokenizer, args.per_task, args.seq_len, args.seed))
     train_names = [t.name for t in smollm2.TASKS if not t.held_out]
     x, y = collect(model, tokenizer, train_names, args.per_task, args.seq_len, args.seed)
     table = {}
