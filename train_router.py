@@ -87,6 +87,7 @@ SETTINGS = dict(
     backbone_stages=((256, 3600, 64, 3e-3),),          # --backbone train: (tokens, steps, batch, lr) per stage
     backbone_steps=None,      # steps of the first backbone stage (None: the stage's own)
     haystack=None,            # smollm2: the training documents
+    extra_families=None,      # smollm2: families trained on besides the seven (smollm2.EXTRA), none by default
     # the routers (paper §3–§4, METHOD.md §4)
     router="mlp",             # the paper's: a logit per KV head from its layer's pooled keys
     ranking=None,             # ranked routers: "static" trains the ranking first, then the count against it
@@ -264,6 +265,8 @@ def settings_from(args):
                  f"{P['eval_batch']}: give at most {P['eval_batch']} or a multiple of it")
     preset_len = PRESETS[args.preset].get("seq_len", SETTINGS["seq_len"])   # --seq-len scales the preset's lengths
     P["eval_seq_lens"] = tuple(n * P["seq_len"] // preset_len for n in P["eval_seq_lens"] or (preset_len,))
+    if P["extra_families"] and P["suite"] != "smollm2":
+        fail(f"--extra-families adds SmolLM2 task families: it needs --preset smollm2 (got {args.preset})")
     if P["suite"] == "smollm2":
         from elastic_lab import smollm2
         P["haystack"] = P["haystack"].split(",") if isinstance(P["haystack"], str) else list(P["haystack"])
@@ -271,6 +274,10 @@ def settings_from(args):
         if not P["haystack"] or any(h not in training for h in P["haystack"]):
             fail(f"--haystack must name training haystacks from {training} ({smollm2.HELD_OUT_HAYSTACK} is held "
                  f"out), got {','.join(P['haystack'])!r}")
+        extra = P["extra_families"] or []
+        P["extra_families"] = extra.split(",") if isinstance(extra, str) else list(extra)
+        if any(f not in smollm2.EXTRA for f in P["extra_families"]) or len(set(P["extra_families"])) < len(P["extra_families"]):
+            fail(f"--extra-families must name distinct families from {smollm2.EXTRA}, got {','.join(P['extra_families'])!r}")
     P["backbone_stages"] = backbone_stages(P)
     targets = parse_targets(P["targets"])
     P["targets"] = targets
@@ -463,7 +470,7 @@ def load_suite(P, args, rank, world):
         for haystack in (*P["haystack"], smollm2.HELD_OUT_HAYSTACK):
             smollm2.load_text("train", haystack)
     cfg = model.cfg
-    return smollm2.suite(tokenizer, tuple(P["haystack"]), cfg.window, cfg.sink), model, cfg
+    return smollm2.suite(tokenizer, tuple(P["haystack"]), cfg.window, cfg.sink, P["extra_families"]), model, cfg
 
 
 def check_lengths(P, cfg):
@@ -574,6 +581,7 @@ def router_settings(run, model, targets):
                 loss=P["loss"], router_norm=P["router_norm"], router=P["router"],
                 rank_lr=P["rank_lr"] if P["router"] == "ranked" else None, ranking=P["ranking"],
                 haystack=P["haystack"] if P["suite"] == "smollm2" else None,
+                extra_families=P["extra_families"] if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
                 backbone_sha256=weights_sha256(model.state_dict()))
 
@@ -1357,7 +1365,8 @@ def decoded_answers(run, model):
     answers = {}
     for t in run.suite.tasks:
         b = run.batch("eval", 1000 * t.task_id, 3, [t.name])
-        answers[t.name] = smollm2.decode_answers(model, run.suite.tokenizer, {k: v.cpu() for k, v in b.items()}, 24)
+        answers[t.name] = smollm2.decode_answers(model, run.suite.tokenizer, {k: v.cpu() for k, v in b.items()}, 24,
+                                                 names=run.suite.names)
     return answers
 
 

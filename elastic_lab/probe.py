@@ -118,7 +118,7 @@ def select_depth(model, tokenizer, n, seq_len, seed):
     whitened (count router's) reader. Checks, all on development wordings of trained families:
     "families", leave one sensitive and one robust trained family out of the fit, score those two
     (mean over the 4 × 3 pairs); "wordings", "question_only", "decoys" as the test conditions are made."""
-    names = [t.name for t in smollm2.TASKS if not t.held_out]
+    names = smollm2.TRAIN_NAMES
     x, y = collect(model, tokenizer, names, n, seq_len, seed)
     family = torch.arange(len(names)).repeat_interleave(n)
     dev = {c: collect(model, tokenizer, names, n, seq_len, seed + 2, c, dev=True)
@@ -183,7 +183,8 @@ def load_run(routers, device, flags=()):
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --routers {routers!r}: {e}")
     argv = ["--preset", s["preset"], "--seed", str(s["seed"]), "--seq-len", str(s["seq_len"]), "--device", device,
-            "--backend", "torch", *(["--haystack", ",".join(s["haystack"])] if s.get("haystack") else []), *flags]
+            "--backend", "torch", *(["--haystack", ",".join(s["haystack"])] if s.get("haystack") else []),
+            *(["--extra-families", ",".join(s["extra_families"])] if s.get("extra_families") else []), *flags]
     run_args = train_router.build_parser().parse_args(argv)
     P, _ = train_router.settings_from(run_args)
     if P["suite"] != "smollm2":
@@ -274,7 +275,7 @@ def main(argv=None):
     model.cfg.prepass_layers = model.cfg.n_layers     # run every layer: the hooks read each one
     if args.select:
         return select_main(args, select_depth(model, tokenizer, args.per_task, args.seq_len, args.seed))
-    train_names = [t.name for t in smollm2.TASKS if not t.held_out]
+    train_names = smollm2.TRAIN_NAMES
     x, y = collect(model, tokenizer, train_names, args.per_task, args.seq_len, args.seed)
     table = {}
     for condition, spec in smollm2.CONDITIONS.items():

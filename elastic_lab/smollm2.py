@@ -63,6 +63,8 @@ answers). task_ids: the training families 0-6, then the held-out ones (never tra
     6 copy_last    robust     repeat the document's last sentence (scored from its second word on)
     7 place        sensitive  held out: the city a parcel was sent to (said twice), at a random depth
     8 recent_name  robust     held out: a front-desk note near the end says who has some items
+    9 recent_date  robust     extra, trained only when asked (suite(extra=...)): date's questions, the
+                              date in an organisers' note near the end; in no test condition
 Each family has >= 12 instruction wordings split train / dev / test, decoy wordings for evaluation
 and >= 3 question wordings (FRAMES, QUESTIONS); the instruction goes before the document, after it,
 or nowhere (style; training mixes them 45 / 35 / 20 %). The accuracy tasks teacher-force a fixed
@@ -88,6 +90,7 @@ import sys
 import tempfile
 import zipfile
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -788,6 +791,12 @@ def _recent_name(rng):
                 answer=f"The {item} are with {full}.", value=full, fields=dict(item=item))
 
 
+def _recent_date(rng):
+    date, event = f"{rng.choice(MONTHS)} {rng.randrange(1, 29)}", rng.choice(EVENTS)
+    return dict(needle=f"Update from the organisers: the {event} is now scheduled for {date}.",
+                answer=f"The {event} is scheduled for {date}.", value=date, fields=dict(event=event))
+
+
 def _no_needle(rng):  # continue, copy_last: the document itself is the evidence
     return dict(needle=None, answer=None, value=None, fields={})
 
@@ -801,10 +810,12 @@ class Task:
     make: object    # make(random.Random) -> dict(needle, answer, value, fields)
     placement: str  # where the needle goes: "far" (beyond window + MARGIN), "near", or "" (none)
     held_out: bool = False  # never trained on: only for the held-out test conditions
+    extra: bool = False     # trained only when asked for (suite(extra=...)); in no test condition
 
 
 # Training families first, so that their task_ids are 0..n_train-1 (train_router indexes its
-# per-task multipliers by task_id over the training suite); the held-out ones after them.
+# per-task multipliers by task_id over the training suite); the held-out ones after them, then the
+# extra ones (a suite that trains on one renumbers it, so no other family's prompts change).
 TASKS = [
     Task(0, "passkey", "sensitive", "accuracy", _passkey, "far"),
     Task(1, "fact_word", "sensitive", "accuracy", _fact_word, "far"),
@@ -815,11 +826,14 @@ TASKS = [
     Task(6, "copy_last", "robust", "accuracy", _no_needle, ""),
     Task(7, "place", "sensitive", "accuracy", _place, "far", held_out=True),
     Task(8, "recent_name", "robust", "accuracy", _recent_name, "near", held_out=True),
+    # date's questions about a note at the end: what tells it from date is where the answer lies
+    Task(9, "recent_date", "robust", "accuracy", _recent_date, "near", extra=True),
 ]
 TASK_NAMES = [t.name for t in TASKS]
-TRAIN_TASKS = [t for t in TASKS if not t.held_out]
+TRAIN_TASKS = [t for t in TASKS if not t.held_out and not t.extra]
 TRAIN_NAMES = [t.name for t in TRAIN_TASKS]
 HELD_OUT = [t.name for t in TASKS if t.held_out]
+EXTRA = [t.name for t in TASKS if t.extra]
 SENSITIVE = [t.name for t in TASKS if t.category == "sensitive"]   # all families, held-out ones too
 ROBUST = [t.name for t in TASKS if t.category == "robust"]
 assert all(t.task_id == i for i, t in enumerate(TASKS))
@@ -973,6 +987,23 @@ FRAMES = {
         test=["The last lines of the text {below} include a colleague's note; please answer based on it.",
               "quick one: read the note at the end and answer my question"],
         **_robust_decoys("a note about a meeting room")),
+    "recent_date": dict(
+        train=["The text {below} ends with an update about an event. Answer my question about that update.",
+               "An update about an event's date closes this text. Answer the question about it.",
+               "Read the update at the bottom and answer my question.",
+               "check the last update in this text and answer",
+               "Hi, the document {below} finishes with a short update from the organisers. Could you help me "
+               "with a question about it?",
+               "The document {below} concludes with a scheduling notice. Respond to the question concerning "
+               "that notice.",
+               "There's a short update about when an event takes place near the end of the text. I have a "
+               "question about it.",
+               "Use the final update in the text {below} to answer the question."],
+        dev=["At the very end of this text the organisers post an update. Answer the question about it.",
+             "Look at the closing update {below} and tell me what I ask."],
+        test=["The last lines of the text {below} include an organisers' update; please answer based on it.",
+              "quick one: read the update at the end and answer my question"],
+        **_robust_decoys("an event's date")),
     "continue": dict(
         train=["Here is a passage. Continue the text from where it stops.",
                "Please continue this text.",
@@ -1058,6 +1089,7 @@ QUESTIONS = {
                                "Who is holding the {item}?"],
                         dev=["Whom do I ask for the {item} today?"], test=["Who has the {item} today?"]),
 }
+QUESTIONS["recent_date"] = QUESTIONS["date"]   # the same questions: only where the answer lies differs
 assert set(FRAMES) == set(QUESTIONS) == set(TASK_NAMES)
 _QUESTION_SPLIT = dict(train="train", dev="dev", test="test", decoy_dev="dev", decoy_test="test")
 
@@ -1253,8 +1285,10 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
                 lengths=lengths, query_pos=prompt_lengths - 1, needle_pos=needle_pos)
 
 
-def _suite_batch(tokenizer, haystack, window, sink, split, seed, names, size, seq_len):
-    return make_batch(tokenizer, names, size, seq_len, seed, split=split, window=window, sink=sink, haystack=haystack)
+def _suite_batch(tokenizer, haystack, window, sink, ids, split, seed, names, size, seq_len):
+    b = make_batch(tokenizer, names, size, seq_len, seed, split=split, window=window, sink=sink, haystack=haystack)
+    b["task_ids"] = ids[b["task_ids"]]   # TASKS' task_ids → the suite's
+    return b
 
 
 def _suite_score(name, logits, targets):
@@ -1265,14 +1299,21 @@ def _suite_condition_batch(tokenizer, window, sink, condition, names, size, seq_
     return condition_batch(tokenizer, condition, names, size, seq_len, seed, window=window, sink=sink, dev=dev)
 
 
-def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64):
+def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64, extra=()):
     """The training suite as a tasks.Suite (the interface train_router.py uses): the training
     families only (Suite.tasks = TRAIN_TASKS), their "train" wordings in mixed styles, each row's
     text from one of the given haystacks (a name or a tuple), with needles placed for the streaming
     heads' window and sink. The held-out test conditions ride along for evaluation only:
     Suite.conditions ({condition: its families}), Suite.condition_batch(condition, names, size,
-    seq_len, seed, dev) and Suite.extra_tasks (the held-out families, for Suite.task(name))."""
-    return tasks.Suite(TRAIN_TASKS, partial(_suite_batch, tokenizer, haystack, window, sink), _suite_score,
+    seq_len, seed, dev) and Suite.extra_tasks (the held-out families, for Suite.task(name)).
+    extra: EXTRA families trained on too, numbered after the training ones in the suite's batches."""
+    unknown = [n for n in extra if n not in EXTRA]
+    if unknown or len(set(extra)) < len(extra):
+        raise ValueError(f"extra training families must be distinct names from {EXTRA}, got {list(extra)}")
+    trained = TRAIN_TASKS + [dataclasses.replace(get_task(n), task_id=len(TRAIN_TASKS) + i) for i, n in enumerate(extra)]
+    ids = torch.arange(len(TASKS))
+    ids[[get_task(t.name).task_id for t in trained]] = torch.tensor([t.task_id for t in trained])
+    return tasks.Suite(trained, partial(_suite_batch, tokenizer, haystack, window, sink, ids), _suite_score,
                        text_fingerprint(haystack), tokenizer,
                        conditions={c: list(v["families"]) for c, v in CONDITIONS.items()},
                        condition_batch=partial(_suite_condition_batch, tokenizer, window, sink),
@@ -1289,8 +1330,8 @@ CONDITIONS = {
     "wordings": dict(families=TRAIN_NAMES, frames="test", style="instructed", haystack="news"),
     "families": dict(families=HELD_OUT, frames="test", style="mixed", haystack="news"),
     "haystack": dict(families=TRAIN_NAMES, frames="test", style="mixed", haystack="wiki"),
-    "question_only": dict(families=TASK_NAMES, frames="test", style="none", haystack="news"),
-    "decoys": dict(families=TASK_NAMES, frames="decoy_test", style="instructed", haystack="news"),
+    "question_only": dict(families=TRAIN_NAMES + HELD_OUT, frames="test", style="none", haystack="news"),
+    "decoys": dict(families=TRAIN_NAMES + HELD_OUT, frames="decoy_test", style="instructed", haystack="news"),
 }
 
 
@@ -1357,9 +1398,10 @@ def answer_text(tokenizer, new_ids):
 
 
 @torch.no_grad()
-def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
+def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None, names=TASK_NAMES):
     """Greedy answers, one row at a time (rows differ in prompt length): a list of dicts with the
-    task, the expected scored text and the model's answer up to <|im_end|>."""
+    task (names[task_id]: a suite's batch takes Suite.names), the expected scored text and the
+    model's answer up to <|im_end|>."""
     out = []
     for b in range(batch["tokens"].shape[0]):
         P = int(batch["prompt_lengths"][b])
@@ -1367,7 +1409,7 @@ def decode_answers(model, tokenizer, batch, max_new_tokens=24, modes=None):
         row_modes = None if modes is None else [m[b:b + 1].to(prompt.device) for m in modes]
         seq, _ = model.generate(prompt, max_new_tokens, modes=row_modes)
         want = batch["targets"][b][batch["targets"][b] != IGNORE]
-        out.append(dict(task=TASKS[int(batch["task_ids"][b])].name, expected=tokenizer.decode(want),
+        out.append(dict(task=names[int(batch["task_ids"][b])], expected=tokenizer.decode(want),
                         answer=answer_text(tokenizer, seq[0, P:])))
     return out
 

@@ -4,6 +4,7 @@ loaded back by from_gguf and compared with the model it came from; a byte-level 
 spot for the tokenizer and the task builders; parity with transformers' GGUF loader where it is
 installed. One test uses the real file when it is already cached (skipped otherwise).
 """
+import dataclasses
 import json
 import os
 import random
@@ -539,7 +540,7 @@ def test_make_batch_rejects_bad_input(tiny_tok):
 # -----------------------------------------------------------------------------
 # Task families, wordings, layouts and the held-out test conditions.
 
-NEW = ["name", "date", "copy_last", "place", "recent_name"]
+NEW = ["name", "date", "copy_last", "place", "recent_name", "recent_date"]
 
 
 def test_wiki_markup_becomes_prose():
@@ -597,14 +598,25 @@ def test_task_ids_and_the_training_suite(tiny_tok):
     ids = {t.name: t.task_id for t in smollm2.TASKS}
     assert [ids[n] for n in ORIGINAL] == [0, 1, 2, 3]
     assert [t.task_id for t in smollm2.TRAIN_TASKS] == list(range(len(smollm2.TRAIN_TASKS)))
-    assert sorted(ids[n] for n in smollm2.HELD_OUT) == list(range(len(smollm2.TRAIN_TASKS), len(smollm2.TASKS)))
-    assert set(smollm2.HELD_OUT) == {"place", "recent_name"}
+    n_train, n_held = len(smollm2.TRAIN_TASKS), len(smollm2.HELD_OUT)
+    assert sorted(ids[n] for n in smollm2.HELD_OUT) == list(range(n_train, n_train + n_held))
+    assert sorted(ids[n] for n in smollm2.EXTRA) == list(range(n_train + n_held, len(smollm2.TASKS)))
+    assert set(smollm2.HELD_OUT) == {"place", "recent_name"} and smollm2.EXTRA == ["recent_date"]
     assert {"name", "date", "copy_last"} <= set(smollm2.TRAIN_NAMES)
     s = smollm2.suite(tiny_tok, "news", window=WINDOW)
     assert s.names == smollm2.TRAIN_NAMES and not set(s.names) & set(smollm2.HELD_OUT)
     b = s.batch("train", 0, None, 7, 1200)
     assert sorted(b["task_ids"].tolist()) == list(range(7))
     assert smollm2.suite(tiny_tok).text.count(" + ") == 1   # the default: news and pydoc
+    # An extra family trains under the suite's numbering and joins no test condition
+    more = smollm2.suite(tiny_tok, "news", window=WINDOW, extra=("recent_date",))
+    assert more.names == smollm2.TRAIN_NAMES + ["recent_date"] and [t.task_id for t in more.tasks] == list(range(8))
+    b = more.batch("train", 0, more.names, 8, 1200)
+    assert sorted(b["task_ids"].tolist()) == list(range(8)) and more.conditions == s.conditions
+    assert more.sensitive == s.sensitive and more.robust == s.robust + ["recent_date"]
+    for bad in (("place",), ("recent_date", "recent_date")):
+        with pytest.raises(ValueError, match=r"extra training families must be distinct names from \['recent_date'\]"):
+            smollm2.suite(tiny_tok, extra=bad)
 
 
 def _user_turn(tok, b, r):
@@ -614,9 +626,10 @@ def _user_turn(tok, b, r):
 @pytest.mark.parametrize("style", ["before", "after", "none"])
 def test_every_family_renders_in_every_style_and_split(tiny_tok, style):
     for frames in smollm2.FRAME_SPLITS:
-        b = smollm2.make_batch(tiny_tok, smollm2.TASK_NAMES, 9, 1200, seed=3, split="eval", window=WINDOW,
+        n = len(smollm2.TASK_NAMES)
+        b = smollm2.make_batch(tiny_tok, smollm2.TASK_NAMES, n, 1200, seed=3, split="eval", window=WINDOW,
                                frames=frames, style=style)
-        for r in range(9):
+        for r in range(n):
             name = smollm2.TASKS[int(b["task_ids"][r])].name
             user = _user_turn(tiny_tok, b, r)
             where = "above" if style == "after" else "below"
@@ -638,8 +651,8 @@ def test_every_family_renders_in_every_style_and_split(tiny_tok, style):
 def test_new_families_place_their_evidence(tiny_tok):
     """Far needles beyond the window and after the sink, near notes within NEAR_TOKENS of the
     document's end, copy_last's answer the document's last sentence; the scored value is in the prompt."""
-    b = smollm2.make_batch(tiny_tok, NEW * 2, 10, SEQ, seed=5, split="eval", window=WINDOW, style="before")
-    for r in range(10):
+    b = smollm2.make_batch(tiny_tok, NEW * 2, 12, SEQ, seed=5, split="eval", window=WINDOW, style="before")
+    for r in range(12):
         task = smollm2.TASKS[int(b["task_ids"][r])]
         q = int(b["query_pos"][r])
         user = _user_turn(tiny_tok, b, r)
@@ -655,7 +668,7 @@ def test_new_families_place_their_evidence(tiny_tok):
             assert len(needles) == 0
         paras = user.split("\n\n")[1:-1]      # the document (instruction first, question last)
         if task.placement == "near":
-            k = next(i for i, p in enumerate(paras) if value in p and p.startswith("Note from"))
+            k = next(i for i, p in enumerate(paras) if value in p and p.startswith(("Note from", "Update from")))
             after = sum(len(tiny_tok.encode(p)) + 1 for p in paras[k + 1:])
             assert after <= smollm2.NEAR_TOKENS + smollm2.SLACK, after
         if task.name == "copy_last":   # scored from the last sentence's second word on
@@ -841,9 +854,11 @@ def test_real_model_answers_in_chat():
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
 
 
-def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["recent_date"]])
+def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monkeypatch, extra):
     """train_router's smollm2 path, every stage down to the report and the decoded answers, on the
-    tiny model and Python's own prose (no download): what a GPU run does, cut down to seconds."""
+    tiny model and Python's own prose (no download): what a GPU run does, cut down to seconds. With
+    an extra training family too, which routing alone must rebuild from router.pt."""
     import train_router
     monkeypatch.setattr(smollm2, "verify_gguf", lambda path: path)   # the tiny file, not the pinned one
     shapes, train_step = [], train_router.train_step   # each training batch's token shape
@@ -854,12 +869,14 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     train_router.main(["--preset", "smollm2", "--gguf", tiny_file[0], "--haystack", "pydoc", "--device", "cpu",
                        "--seq-len", "896", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
                        "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2",
-                       "--prepass-layers", "1", "--out", str(out)])
+                       "--prepass-layers", "1", "--out", str(out),
+                       *(["--extra-families", ",".join(extra)] if extra else [])])
     # the ranking, the routers, the static gates: 2 steps each, padded to one shape (StepGraph records once)
     assert shapes == [(8, 896)] * 6, shapes
     res = json.loads((out / "results.json").read_text())
-    assert set(res["results"]["elastic"]) == set(smollm2.TRAIN_NAMES)   # never the held-out families
+    assert set(res["results"]["elastic"]) == set(smollm2.TRAIN_NAMES + extra)   # never the held-out families
     assert res["decoded_answers"] and len(res["train_log"]) == 2 and len(res["static_log"]) == 2
+    assert all(a["task"] == t for t, rows in res["decoded_answers"].items() for a in rows)
     # The frozen held-out conditions, every method on each (the main evaluation is the in-template one)
     assert set(res["held_out"]) == set(smollm2.CONDITIONS) - {"in_template"}
     for condition, methods in res["held_out"].items():
@@ -900,3 +917,49 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
         assert {t: [round(w, 4) for w in ws] for t, ws in routes[condition].items()} == {
             t: v["omegas"] for t, v in ran.items()}, condition
     assert len({w for ws in routes["decoys"].values() for w in ws}) > 2, routes["decoys"]
+
+
+def test_select_depth_never_fits_on_the_families_it_scores(tiny_file, monkeypatch):
+    """probe.select_depth, the rule that picks the pre-pass depth: each "families" score comes from a
+    probe fitted without the two families it scores (one sensitive, one robust), every pair once."""
+    from elastic_lab import probe
+    _, ref = tiny_file
+    tok = smollm2.Tokenizer.from_gguf(tiny_file[0])
+    model = elastic_attention.Transformer(dataclasses.replace(ref.cfg, window=256, sink=4)).eval()
+    model.load_state_dict(ref.state_dict())
+    model.cfg.prepass_layers = model.cfg.n_layers
+    collected, fits = [], []
+    collect, fit = probe.collect, probe.fit_probe
+    monkeypatch.setattr(probe, "collect", lambda *a, **k: collected.append(collect(*a, **k)) or collected[-1])
+
+    def recording_fit(x, y, **k):
+        scorer, fits_x, scored = fit(x, y, **k), x, []
+        fits.append((fits_x, scored))
+        return lambda t: scored.append(t) or scorer(t)
+    monkeypatch.setattr(probe, "fit_probe", recording_fit)
+    n, names = 2, list(smollm2.TRAIN_NAMES)
+    table = probe.select_depth(model, tok, n, 896, seed=0)
+    assert set(table) == {"standardised", "whitened"}
+    for rows in table.values():
+        assert list(rows) == list(range(1, model.cfg.n_layers))
+        for row in rows.values():
+            assert set(row) == {"wordings", "question_only", "decoys", "families"}
+            assert all(0 <= v <= 1 for v in row.values())
+    train, dev_wordings = collected[0][0]["last"], collected[1][0]["last"]
+
+    def families_of(x, pool):   # which families' rows of pool x holds
+        return {names[int((pool == r).all(1).nonzero()[0]) // n] for r in x}
+    pairs = []
+    for x, scored in fits:
+        layer = next(i for i in range(train.shape[0]) if x.shape[0] and (train[i] == x[0]).all(1).any())
+        fitted = families_of(x, train[layer])
+        if len(fitted) == len(names):   # the full fit, scored on every development condition
+            continue
+        (held,) = scored
+        scored_families = families_of(held, dev_wordings[layer])
+        assert not fitted & scored_families and fitted | scored_families == set(names)
+        assert sorted(smollm2.get_task(f).category for f in scored_families) == ["robust", "sensitive"]
+        pairs.append(frozenset(scored_families))
+    sensitive = sum(smollm2.get_task(f).category == "sensitive" for f in names)
+    assert len(set(pairs)) == sensitive * (len(names) - sensitive)
+    assert len(pairs) == 2 * len(set(pairs)) * (model.cfg.n_layers - 1)   # two readers
