@@ -276,8 +276,10 @@ def settings_from(args):
                  f"out), got {','.join(P['haystack'])!r}")
         extra = P["extra_families"] or []
         P["extra_families"] = extra.split(",") if isinstance(extra, str) else list(extra)
-        if any(f not in smollm2.EXTRA for f in P["extra_families"]) or len(set(P["extra_families"])) < len(P["extra_families"]):
-            fail(f"--extra-families must name distinct families from {smollm2.EXTRA}, got {','.join(P['extra_families'])!r}")
+        try:
+            smollm2.trained_tasks(P["extra_families"])
+        except ValueError as e:
+            fail(f"--extra-families: {e}")
     P["backbone_stages"] = backbone_stages(P)
     targets = parse_targets(P["targets"])
     P["targets"] = targets

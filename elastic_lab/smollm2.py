@@ -90,8 +90,7 @@ import sys
 import tempfile
 import zipfile
 from collections import Counter
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 if __name__ == "__main__":  # as a command: OpenMP threads that sleep when idle (read as torch loads)
@@ -1299,6 +1298,14 @@ def _suite_condition_batch(tokenizer, window, sink, condition, names, size, seq_
     return condition_batch(tokenizer, condition, names, size, seq_len, seed, window=window, sink=sink, dev=dev)
 
 
+def trained_tasks(extra=()):
+    """The tasks a suite trains on: TRAIN_TASKS, then the named EXTRA families numbered after them
+    (task_id = their index here), or a ValueError naming the bad list."""
+    if any(n not in EXTRA for n in extra) or len(set(extra)) < len(extra):
+        raise ValueError(f"extra training families must be distinct names from {EXTRA}, got {list(extra)}")
+    return TRAIN_TASKS + [replace(get_task(n), task_id=len(TRAIN_TASKS) + i) for i, n in enumerate(extra)]
+
+
 def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64, extra=()):
     """The training suite as a tasks.Suite (the interface train_router.py uses): the training
     families only (Suite.tasks = TRAIN_TASKS), their "train" wordings in mixed styles, each row's
@@ -1307,10 +1314,7 @@ def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64, extra=()):
     Suite.conditions ({condition: its families}), Suite.condition_batch(condition, names, size,
     seq_len, seed, dev) and Suite.extra_tasks (the held-out families, for Suite.task(name)).
     extra: EXTRA families trained on too, numbered after the training ones in the suite's batches."""
-    unknown = [n for n in extra if n not in EXTRA]
-    if unknown or len(set(extra)) < len(extra):
-        raise ValueError(f"extra training families must be distinct names from {EXTRA}, got {list(extra)}")
-    trained = TRAIN_TASKS + [dataclasses.replace(get_task(n), task_id=len(TRAIN_TASKS) + i) for i, n in enumerate(extra)]
+    trained = trained_tasks(extra)
     ids = torch.arange(len(TASKS))
     ids[[get_task(t.name).task_id for t in trained]] = torch.tensor([t.task_id for t in trained])
     return tasks.Suite(trained, partial(_suite_batch, tokenizer, haystack, window, sink, ids), _suite_score,

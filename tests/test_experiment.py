@@ -307,6 +307,9 @@ BAD_ARGUMENTS = [
     (["--smoke", "--eval-per-task", "10"], "--eval-per-task 10 is not a whole number of evaluation batches of 8"),
     (["--smoke", "--calib-per-task", "10"], "--calib-per-task 10 is not a whole number of evaluation batches of 8"),
     (["--smoke", "--preset", "gpu"], "--smoke is a cut-down tiny preset"),
+    (["--extra-families", "recent_date"], "--extra-families adds SmolLM2 task families: it needs --preset smollm2"),
+    (["--preset", "smollm2", "--seq-len", "896", "--device", "cpu", "--extra-families", "place"],
+     "--extra-families: extra training families must be distinct names from ['recent_date'], got ['place']"),
 ] + ([(["--device", "cuda:99"], "this machine has cuda:0 to")] if torch.cuda.is_available() else [
     (["--device", "cuda:0"], "no CUDA device is available"),
     (["--preset", "gpu", "--device", "cpu"], "hours on a CPU"),

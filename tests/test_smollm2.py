@@ -933,8 +933,8 @@ def test_select_depth_never_fits_on_the_families_it_scores(tiny_file, monkeypatc
     monkeypatch.setattr(probe, "collect", lambda *a, **k: collected.append(collect(*a, **k)) or collected[-1])
 
     def recording_fit(x, y, **k):
-        scorer, fits_x, scored = fit(x, y, **k), x, []
-        fits.append((fits_x, scored))
+        scorer, scored = fit(x, y, **k), []
+        fits.append((x, scored))
         return lambda t: scored.append(t) or scorer(t)
     monkeypatch.setattr(probe, "fit_probe", recording_fit)
     n, names = 2, list(smollm2.TRAIN_NAMES)
