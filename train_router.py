@@ -88,6 +88,7 @@ SETTINGS = dict(
     backbone_steps=None,      # steps of the first backbone stage (None: the stage's own)
     haystack=None,            # smollm2: the training documents
     extra_families=None,      # smollm2: families trained on besides the seven (smollm2.EXTRA), none by default
+    decoy_share=0.0,          # smollm2: share of instructed training rows worded as the other category would be
     # the routers (paper §3–§4, METHOD.md §4)
     router="mlp",             # the paper's: a logit per KV head from its layer's pooled keys
     ranking=None,             # ranked routers: "static" trains the ranking first, then the count against it
@@ -267,6 +268,10 @@ def settings_from(args):
     P["eval_seq_lens"] = tuple(n * P["seq_len"] // preset_len for n in P["eval_seq_lens"] or (preset_len,))
     if P["extra_families"] and P["suite"] != "smollm2":
         fail(f"--extra-families adds SmolLM2 task families: it needs --preset smollm2 (got {args.preset})")
+    if P["decoy_share"] and P["suite"] != "smollm2":
+        fail(f"--decoy-share rewords SmolLM2 training prompts: it needs --preset smollm2 (got {args.preset})")
+    if not 0.0 <= P["decoy_share"] < 1.0:
+        fail(f"--decoy-share must be in [0, 1), got {P['decoy_share']}")
     if P["suite"] == "smollm2":
         from elastic_lab import smollm2
         P["haystack"] = P["haystack"].split(",") if isinstance(P["haystack"], str) else list(P["haystack"])
@@ -472,7 +477,8 @@ def load_suite(P, args, rank, world):
         for haystack in (*P["haystack"], smollm2.HELD_OUT_HAYSTACK):
             smollm2.load_text("train", haystack)
     cfg = model.cfg
-    return smollm2.suite(tokenizer, tuple(P["haystack"]), cfg.window, cfg.sink, P["extra_families"]), model, cfg
+    return smollm2.suite(tokenizer, tuple(P["haystack"]), cfg.window, cfg.sink, P["extra_families"],
+                         P["decoy_share"]), model, cfg
 
 
 def check_lengths(P, cfg):
@@ -584,6 +590,7 @@ def router_settings(run, model, targets):
                 rank_lr=P["rank_lr"] if P["router"] == "ranked" else None, ranking=P["ranking"],
                 haystack=P["haystack"] if P["suite"] == "smollm2" else None,
                 extra_families=P["extra_families"] if P["suite"] == "smollm2" else None,
+                decoy_share=P["decoy_share"] if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
                 backbone_sha256=weights_sha256(model.state_dict()))
 

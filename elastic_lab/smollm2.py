@@ -844,14 +844,19 @@ assert all(not t.held_out for t in TASKS[:len(TRAIN_TASKS)])
 # any measurement: "test" and "decoy_test" are the held-out test set, "dev" and "decoy_dev" are for
 # development. Only "train" wordings are ever trained on.
 
-FRAME_SPLITS = ("train", "dev", "test", "decoy_dev", "decoy_test")
+FRAME_SPLITS = ("train", "dev", "test", "decoy_train", "decoy_dev", "decoy_test")
 STYLES = ("mixed", "instructed", "before", "after", "none")
 MIXED = (("before", 0.45), ("after", 0.35), ("none", 0.20))  # style="mixed": each row draws its layout
 
 
 def _sensitive_decoys(thing):
     """Robust-sounding wordings (the fact is near the end, just answer) for a sensitive family."""
-    return dict(decoy_dev=[f"There is a short note about {thing} near the end of the text {{below}}. Please "
+    return dict(decoy_train=[f"The end of the text {{below}} has a brief line about {thing}. Answer my question "
+                             f"using it.",
+                             f"I only care about the bit at the bottom of this document, the one about {thing}.",
+                             f"Skim to the closing lines {{below}}; they mention {thing}. Then answer me.",
+                             f"quick one, the last part of this says something about {thing}, what is it"],
+                decoy_dev=[f"There is a short note about {thing} near the end of the text {{below}}. Please "
                            f"answer my question about it.",
                            f"Just look at the last few lines of this text and answer my question about {thing}."],
                 decoy_test=[f"The text {{below}} ends with a quick remark about {thing}; answer my question "
@@ -861,7 +866,14 @@ def _sensitive_decoys(thing):
 
 def _robust_decoys(thing):
     """Sensitive-sounding wordings (hidden somewhere, remember it for later) for a robust family."""
-    return dict(decoy_dev=[f"Somewhere in this text {thing} is hidden. Find it and remember it, I'll ask you "
+    return dict(decoy_train=[f"Somewhere deep in the text {{below}} there is {thing}. Locate it and hold on to "
+                             f"it for my question.",
+                             f"This long document hides {thing} somewhere. Search all of it and memorise what you "
+                             f"find.",
+                             f"Read everything {{below}} from the first line on and remember it: {thing} could be "
+                             f"anywhere.",
+                             f"theres {thing} buried in here somewhere, keep it for later"],
+                decoy_dev=[f"Somewhere in this text {thing} is hidden. Find it and remember it, I'll ask you "
                            f"about it later.",
                            f"Read the whole document {{below}} carefully: {thing} is buried somewhere inside "
                            f"it. Keep it in mind for my question."],
@@ -1017,6 +1029,12 @@ FRAMES = {
              "Write the rest of this passage."],
         test=["Carry on writing the article {below} from the point where it ends.",
               "go on from where this stops"],
+        decoy_train=["An important detail is buried somewhere in the text {below}. Find it and keep it in mind, "
+                     "then continue the text.",
+                     "Read all of this closely, the start included, and remember what matters; then write what comes "
+                     "next.",
+                     "Memorise the key facts hidden throughout this document, then keep writing from its end.",
+                     "theres stuff hidden all through this, remember it and then continue"],
         decoy_dev=["Somewhere in this text an important detail is hidden. Read every part carefully and "
                    "remember it, then continue the text from where it stops.",
                    "Read the whole document {below} carefully, since key facts are buried deep inside it, "
@@ -1090,7 +1108,7 @@ QUESTIONS = {
 }
 QUESTIONS["recent_date"] = QUESTIONS["date"]   # the same questions: only where the answer lies differs
 assert set(FRAMES) == set(QUESTIONS) == set(TASK_NAMES)
-_QUESTION_SPLIT = dict(train="train", dev="dev", test="test", decoy_dev="dev", decoy_test="test")
+_QUESTION_SPLIT = dict(train="train", dev="dev", test="test", decoy_train="train", decoy_dev="dev", decoy_test="test")
 
 
 def get_task(name):
@@ -1212,15 +1230,16 @@ def _row_style(rng, style):
 
 
 def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train", window=256, sink=64,
-               depth=None, haystack="news", frames="train", style="mixed"):
+               depth=None, haystack="news", frames="train", style="mixed", decoy_share=0.0):
     """A batch of real-text samples, balanced over task_names (None = the training families,
     TRAIN_NAMES; held-out families may be named too): row i gets task_names[i % len] before a seeded
     shuffle. Same arguments -> same batch. split picks the paragraphs ("train" or "eval", disjoint)
     of the haystack, a name in HAYSTACKS or a tuple of them (each row draws one); frames picks the
     wordings (FRAME_SPLITS: "train" for training, "dev"/"test" for held-out wordings, "decoy_dev"/
     "decoy_test" for the other category's vocabulary); style where the instruction goes ("before",
-    "after", "none", or drawn per row: "mixed" = MIXED, "instructed" = before/after only). The defaults
-    are the training data. window and sink are the streaming heads' (Config): sensitive needles lie
+    "after", "none", or drawn per row: "mixed" = MIXED, "instructed" = before/after only);
+    decoy_share the chance that a row with an instruction takes the "decoy_train" wording instead of
+    frames' (only with frames="train"). The defaults are the training data. window and sink are the streaming heads' (Config): sensitive needles lie
     beyond the window (by MARGIN tokens) and after the sink; depth in [0, 1] fixes where a needle goes
     among its allowed slots (0 = farthest from the question), None draws it. CPU tensors:
 
@@ -1249,6 +1268,9 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
         raise ValueError(f"frames must be one of {FRAME_SPLITS}, got {frames!r}")
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    if not 0.0 <= decoy_share < 1.0 or (decoy_share and frames != "train"):
+        raise ValueError(f"decoy_share must be in [0, 1), and 0 unless frames='train'; got {decoy_share!r} "
+                         f"with frames={frames!r}")
     haystacks = (haystack,) if isinstance(haystack, str) else tuple(haystack)
     bad = [h for h in haystacks if h not in HAYSTACKS]
     if not haystacks or bad:
@@ -1264,7 +1286,10 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
         h = haystacks[rng.randrange(len(haystacks))] if len(haystacks) > 1 else haystacks[0]
         corpus = _Corpus.get(tokenizer, split, h)
         row_style = _row_style(rng, style)
-        rows.append((task, *_build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth, frames, row_style)))
+        # no draw at share 0: the default batches stay what they were
+        decoy = decoy_share > 0 and row_style != "none" and rng.random() < decoy_share
+        rows.append((task, *_build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth,
+                                       "decoy_train" if decoy else frames, row_style)))
     B, S = batch_size, max(len(p) + len(a) for _, p, a, _, _ in rows)
     tokens = torch.full((B, S), tokenizer.pad_id, dtype=torch.long)
     targets = torch.full((B, S), IGNORE, dtype=torch.long)
@@ -1284,8 +1309,9 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
                 lengths=lengths, query_pos=prompt_lengths - 1, needle_pos=needle_pos)
 
 
-def _suite_batch(tokenizer, haystack, window, sink, ids, split, seed, names, size, seq_len):
-    b = make_batch(tokenizer, names, size, seq_len, seed, split=split, window=window, sink=sink, haystack=haystack)
+def _suite_batch(tokenizer, haystack, window, sink, ids, decoy_share, split, seed, names, size, seq_len):
+    b = make_batch(tokenizer, names, size, seq_len, seed, split=split, window=window, sink=sink, haystack=haystack,
+                   decoy_share=decoy_share if split == "train" else 0.0)   # evaluation text keeps its wordings
     b["task_ids"] = ids[b["task_ids"]]   # TASKS' task_ids → the suite's
     return b
 
@@ -1306,18 +1332,19 @@ def trained_tasks(extra=()):
     return TRAIN_TASKS + [replace(get_task(n), task_id=len(TRAIN_TASKS) + i) for i, n in enumerate(extra)]
 
 
-def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64, extra=()):
+def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64, extra=(), decoy_share=0.0):
     """The training suite as a tasks.Suite (the interface train_router.py uses): the training
     families only (Suite.tasks = TRAIN_TASKS), their "train" wordings in mixed styles, each row's
     text from one of the given haystacks (a name or a tuple), with needles placed for the streaming
     heads' window and sink. The held-out test conditions ride along for evaluation only:
     Suite.conditions ({condition: its families}), Suite.condition_batch(condition, names, size,
     seq_len, seed, dev) and Suite.extra_tasks (the held-out families, for Suite.task(name)).
-    extra: EXTRA families trained on too, numbered after the training ones in the suite's batches."""
+    extra: EXTRA families trained on too, numbered after the training ones in the suite's batches.
+    decoy_share: make_batch's, for the "train" split only (training and calibration batches)."""
     trained = trained_tasks(extra)
     ids = torch.arange(len(TASKS))
     ids[[get_task(t.name).task_id for t in trained]] = torch.tensor([t.task_id for t in trained])
-    return tasks.Suite(trained, partial(_suite_batch, tokenizer, haystack, window, sink, ids), _suite_score,
+    return tasks.Suite(trained, partial(_suite_batch, tokenizer, haystack, window, sink, ids, decoy_share), _suite_score,
                        text_fingerprint(haystack), tokenizer,
                        conditions={c: list(v["families"]) for c, v in CONDITIONS.items()},
                        condition_batch=partial(_suite_condition_batch, tokenizer, window, sink),

@@ -310,6 +310,9 @@ BAD_ARGUMENTS = [
     (["--extra-families", "recent_date"], "--extra-families adds SmolLM2 task families: it needs --preset smollm2"),
     (["--preset", "smollm2", "--seq-len", "896", "--device", "cpu", "--extra-families", "place"],
      "--extra-families: extra training families must be distinct names from ['recent_date'], got ['place']"),
+    (["--decoy-share", "0.2"], "--decoy-share rewords SmolLM2 training prompts: it needs --preset smollm2"),
+    (["--preset", "smollm2", "--seq-len", "896", "--device", "cpu", "--decoy-share", "1"],
+     "--decoy-share must be in [0, 1), got 1.0"),
 ] + ([(["--device", "cuda:99"], "this machine has cuda:0 to")] if torch.cuda.is_available() else [
     (["--device", "cuda:0"], "no CUDA device is available"),
     (["--preset", "gpu", "--device", "cpu"], "hours on a CPU"),

@@ -571,7 +571,7 @@ def test_frames_are_split_disjoint_and_varied():
         frames, questions = smollm2.FRAMES[name], smollm2.QUESTIONS[name]
         assert set(frames) == set(smollm2.FRAME_SPLITS), name
         n = {k: len(v) for k, v in frames.items()}
-        assert n["train"] >= 8 and n["dev"] >= 2 and n["test"] >= 2 and n["decoy_dev"] >= 2 and n["decoy_test"] >= 2, n
+        assert n["train"] >= 8 and min(n[k] for k in smollm2.FRAME_SPLITS if k != "train") >= 2, n
         assert n["train"] + n["dev"] + n["test"] >= 12
         every = [f for v in frames.values() for f in v]
         assert len(set(every)) == len(every), f"{name}: a wording in two splits"
@@ -587,11 +587,11 @@ def test_decoys_speak_the_other_category():
     hunt = re.compile(r"somewhere|hidden|buried|every part|whole document|remember|memorise", re.I)
     for name in smollm2.TASK_NAMES:
         task = smollm2.get_task(name)
-        for f in smollm2.FRAMES[name]["decoy_dev"] + smollm2.FRAMES[name]["decoy_test"]:
+        for f in [f for split in ("decoy_train", "decoy_dev", "decoy_test") for f in smollm2.FRAMES[name][split]]:
             if task.category == "robust":
                 assert hunt.search(f), f"{name}: decoy without sensitive vocabulary: {f!r}"
             else:
-                assert not hunt.search(f) and re.search(r"end|last|final", f), f"{name}: {f!r}"
+                assert not hunt.search(f) and re.search(r"end|last|final|bottom|closing", f), f"{name}: {f!r}"
 
 
 def test_task_ids_and_the_training_suite(tiny_tok):
@@ -701,6 +701,35 @@ def test_make_batch_new_arguments_are_seeded_and_checked(tiny_tok):
                          (dict(haystack=()), r"got \(\)")):
         with pytest.raises(ValueError, match=message):
             smollm2.make_batch(tiny_tok, None, 2, 1200, 0, **dict(kw, **bad))
+
+
+def test_decoy_share_rewords_training_rows_only(tiny_tok):
+    """decoy_share: instructed "train" rows take the other category's training vocabulary, at about
+    that rate; categories and the share-0 batches stay as they were; evaluation batches never change."""
+    names = smollm2.TRAIN_NAMES * 4
+    plain = smollm2.make_batch(tiny_tok, names, len(names), 1200, 3, window=WINDOW)
+    again = smollm2.make_batch(tiny_tok, names, len(names), 1200, 3, window=WINDOW, decoy_share=0.0)
+    assert all(torch.equal(plain[k], again[k]) for k in plain)
+    b = smollm2.make_batch(tiny_tok, names, len(names), 1200, 3, window=WINDOW, style="instructed", decoy_share=0.5)
+    decoys = 0
+    for r in range(len(names)):
+        name = smollm2.TASKS[int(b["task_ids"][r])].name
+        user = _user_turn(tiny_tok, b, r)
+        said = {split for split in ("train", "decoy_train") for f in smollm2.FRAMES[name][split]
+                for w in ("above", "below") if f.format(below=w) in user}
+        assert len(said) == 1, (name, said)
+        decoys += said == {"decoy_train"}
+        assert bool(b["sensitive"][r]) == (smollm2.get_task(name).category == "sensitive")
+    assert 0.25 * len(names) <= decoys <= 0.75 * len(names), decoys
+    s0, s1 = smollm2.suite(tiny_tok, "news", window=WINDOW), smollm2.suite(tiny_tok, "news", window=WINDOW,
+                                                                              decoy_share=0.5)
+    e0, e1 = (s.batch("eval", 0, None, 7, 1200) for s in (s0, s1))
+    assert all(torch.equal(e0[k], e1[k]) for k in e0)
+    t0, t1 = (s.batch("train", 0, None, 7, 1200) for s in (s0, s1))
+    assert not torch.equal(t0["tokens"], t1["tokens"])
+    for bad in (dict(decoy_share=1.0), dict(decoy_share=-0.1), dict(decoy_share=0.2, frames="dev")):
+        with pytest.raises(ValueError, match="decoy_share must be in"):
+            smollm2.make_batch(tiny_tok, None, 2, 1200, 0, **bad)
 
 
 def test_condition_batches(tiny_tok):
@@ -854,11 +883,12 @@ def test_real_model_answers_in_chat():
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
 
 
-@pytest.mark.parametrize("extra", [[], ["recent_date"]])
-def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monkeypatch, extra):
+@pytest.mark.parametrize("extra, decoy_share", [([], 0.0), (["recent_date"], 0.3)])
+def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monkeypatch, extra, decoy_share):
     """train_router's smollm2 path, every stage down to the report and the decoded answers, on the
     tiny model and Python's own prose (no download): what a GPU run does, cut down to seconds. With
-    an extra training family too, which routing alone must rebuild from router.pt."""
+    the opt-in training data too (an extra family, decoy wordings), which routing alone must rebuild
+    from router.pt."""
     import train_router
     monkeypatch.setattr(smollm2, "verify_gguf", lambda path: path)   # the tiny file, not the pinned one
     shapes, train_step = [], train_router.train_step   # each training batch's token shape
@@ -870,7 +900,7 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
                        "--seq-len", "896", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
                        "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2",
                        "--prepass-layers", "1", "--out", str(out),
-                       *(["--extra-families", ",".join(extra)] if extra else [])])
+                       *(["--extra-families", ",".join(extra), "--decoy-share", str(decoy_share)] if extra else [])])
     # the ranking, the routers, the static gates: 2 steps each, padded to one shape (StepGraph records once)
     assert shapes == [(8, 896)] * 6, shapes
     res = json.loads((out / "results.json").read_text())
@@ -885,6 +915,7 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
         assert set(methods["elastic"]) == set(smollm2.CONDITIONS[condition]["families"])
     assert "keyword" in res["results"] and res["keywords"]
     assert res["evaluation_batches"]["done"] == res["evaluation_batches"]["planned"]   # the bars end full
+    assert res["settings"]["decoy_share"] == decoy_share
     assert res["settings"]["config"]["prepass_layers"] == 1 and res["held_out_tasks"] == {
         "place": "sensitive", "recent_name": "robust"}
     # Routing alone (python -m elastic_lab.probe --routers): the Ω the run's evaluation gave every input
