@@ -842,7 +842,7 @@ assert all(not t.held_out for t in TASKS[:len(TRAIN_TASKS)])
 # Wordings. Templates may hold {below} ("below" when the instruction comes before the document,
 # "above" after it) and the fields of the family's needle maker. Written, split and frozen before
 # any measurement: "test" and "decoy_test" are the held-out test set, "dev" and "decoy_dev" are for
-# development. Only "train" wordings are ever trained on.
+# development. Only "train" wordings are ever trained on ("decoy_train" too, with decoy_share).
 
 FRAME_SPLITS = ("train", "dev", "test", "decoy_train", "decoy_dev", "decoy_test")
 STYLES = ("mixed", "instructed", "before", "after", "none")
@@ -1238,10 +1238,11 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
     wordings (FRAME_SPLITS: "train" for training, "dev"/"test" for held-out wordings, "decoy_dev"/
     "decoy_test" for the other category's vocabulary); style where the instruction goes ("before",
     "after", "none", or drawn per row: "mixed" = MIXED, "instructed" = before/after only);
-    decoy_share the chance that a row with an instruction takes the "decoy_train" wording instead of
-    frames' (only with frames="train"). The defaults are the training data. window and sink are the streaming heads' (Config): sensitive needles lie
-    beyond the window (by MARGIN tokens) and after the sink; depth in [0, 1] fixes where a needle goes
-    among its allowed slots (0 = farthest from the question), None draws it. CPU tensors:
+    decoy_share the chance that a row with an instruction takes a "decoy_train" wording instead (only
+    with frames="train"). The defaults are the training data. window and sink are the streaming
+    heads' (Config): sensitive needles lie beyond the window (by MARGIN tokens) and after the sink;
+    depth in [0, 1] fixes where a needle goes among its allowed slots (0 = farthest from the
+    question), None draws it. CPU tensors:
 
         tokens     (B, S) long  prompt + answer (+ <|im_end|>), right-padded with tokenizer.pad_id;
                                 S = the longest row <= seq_len
