@@ -23,6 +23,7 @@ forward: minutes on a CPU, the same Ω as the run's results.json. Any train_rout
 was given (say --test-per-task 16) rebuilds its inputs; preset, seed and length come from router.pt.
 
     python -m elastic_lab.probe --routers smollm2_routers.pt
+    python -m elastic_lab.probe --routers smollm2_routers.pt --dev   # the conditions' development twins
 """
 import argparse
 import json
@@ -149,11 +150,11 @@ def args_device(model):
 
 
 @torch.no_grad()
-def route_held_out(run, model, conditions=None):
+def route_held_out(run, model, conditions=None, dev=False):
     """{condition: {family: [Ω_MSR per input]}}: what the model's trained routers decide for a
     train_router Run's evaluation prompts ("in_template": its split "eval") and each held-out
-    condition's test prompts (or those named), from Transformer.routing alone (the pre-pass and one
-    global count)."""
+    condition's test prompts (dev=True: their development twins) or those named, from
+    Transformer.routing alone (the pre-pass and one global count)."""
     if model.shift_router is None or model.cfg.deploy != "global":
         raise ValueError("routing alone needs ranked routers deployed by one global count (the smollm2 preset's): "
                          "other routers decide layer by layer, inside the forward")
@@ -161,7 +162,7 @@ def route_held_out(run, model, conditions=None):
     out = {}
     for condition in conditions or run.suite.conditions:
         families = run.suite.conditions[condition]
-        split = "eval" if condition == "in_template" else f"test:{condition}"
+        split = "eval" if condition == "in_template" else f"{'dev' if dev else 'test'}:{condition}"
         out[condition] = {}
         for name in run.suite.names if condition == "in_template" else families:
             omegas = []
@@ -209,13 +210,14 @@ def route_main(args, flags):
     """--routers: route the run's prompts and print Ω per family, the category gap and the AUC."""
     run, model, s = load_run(args.routers, args.device, flags)
     cats = {t.name: t.category for t in smollm2.TASKS}
-    print(f"routing of {args.routers} on its run's prompts (preset {s['preset']}, seed {s['seed']}, "
+    print(f"routing of {args.routers} on its run's {'development' if args.dev else 'test'} prompts (preset "
+          f"{s['preset']}, seed {s['seed']}, "
           f"{s['seq_len']} tokens, {args.device}): Ω_MSR per family; category gap; per-input AUC\n"
           f"text: {smollm2.text_fingerprint(run.P['haystack'])} (in-template prompts are the run's where its "
           "results.json names the same; pydoc's differs between Python releases)", flush=True)
     table, routes = {}, {}
     for condition in run.suite.conditions:
-        fams = routes[condition] = route_held_out(run, model, [condition])[condition]
+        fams = routes[condition] = route_held_out(run, model, [condition], args.dev)[condition]
         low = [w for t, ws in fams.items() if cats[t] == "sensitive" for w in ws]
         high = [w for t, ws in fams.items() if cats[t] == "robust" for w in ws]
         row = table[condition] = dict(sensitive=statistics.mean(low), robust=statistics.mean(high),
@@ -224,7 +226,7 @@ def route_main(args, flags):
         print(f"{condition:<14} sensitive {row['sensitive']:.2f}  robust {row['robust']:.2f}  gap {row['gap']:+.2f}  "
               f"AUC {row['auc']:.2f}   " + " ".join(f"{t} {w:.2f}" for t, w in row["families"].items()), flush=True)
     if args.out:
-        summary = dict(routers=args.routers, flags=flags, table=table, omegas=routes)
+        summary = dict(routers=args.routers, flags=flags, dev=args.dev, table=table, omegas=routes)
         elastic_attention.write_atomic(args.out, lambda f: f.write(json.dumps(summary, indent=1).encode()))
 
 
@@ -252,6 +254,7 @@ def main(argv=None):
     route.add_argument("--routers")
     route.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     route.add_argument("--out")
+    route.add_argument("--dev", action="store_true")
     r, flags = route.parse_known_args(argv)
     if r.routers:
         return route_main(r, flags)

@@ -725,8 +725,10 @@ def test_decoy_share_rewords_training_rows_only(tiny_tok):
                                                                               decoy_share=0.5)
     e0, e1 = (s.batch("eval", 0, None, 7, 1200) for s in (s0, s1))
     assert all(torch.equal(e0[k], e1[k]) for k in e0)
-    t0, t1 = (s.batch("train", 0, None, 7, 1200) for s in (s0, s1))
-    assert not torch.equal(t0["tokens"], t1["tokens"])
+    t1 = s1.batch("train", 0, None, 7, 1200)   # the suite's training batches take them
+    decoy = [f.format(below=w) for n in smollm2.TRAIN_NAMES for f in smollm2.FRAMES[n]["decoy_train"]
+             for w in ("above", "below")]
+    assert any(f in _user_turn(tiny_tok, t1, r) for r in range(7) for f in decoy)
     for bad in (dict(decoy_share=1.0), dict(decoy_share=-0.1), dict(decoy_share=0.2, frames="dev")):
         with pytest.raises(ValueError, match="decoy_share must be in"):
             smollm2.make_batch(tiny_tok, None, 2, 1200, 0, **bad)
@@ -948,6 +950,8 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
         assert {t: [round(w, 4) for w in ws] for t, ws in routes[condition].items()} == {
             t: v["omegas"] for t, v in ran.items()}, condition
     assert len({w for ws in routes["decoys"].values() for w in ws}) > 2, routes["decoys"]
+    dev = probe.route_held_out(run, model, ["decoys"], dev=True)["decoys"]   # the development twins: other prompts
+    assert set(dev) == set(routes["decoys"]) and dev != routes["decoys"]
 
 
 def test_select_depth_never_fits_on_the_families_it_scores(tiny_file, monkeypatch):
