@@ -89,6 +89,7 @@ SETTINGS = dict(
     haystack=None,            # smollm2: the training documents
     extra_families=None,      # smollm2: families trained on besides the seven (smollm2.EXTRA), none by default
     decoy_share=0.0,          # smollm2: share of instructed training rows worded as the other category would be
+    more_questions=False,     # smollm2: train on six more questions per family (smollm2.MORE_QUESTIONS) as well
     # the routers (paper §3–§4, METHOD.md §4)
     router="mlp",             # the paper's: a logit per KV head from its layer's pooled keys
     ranking=None,             # ranked routers: "static" trains the ranking first, then the count against it
@@ -270,6 +271,8 @@ def settings_from(args):
         fail(f"--extra-families adds SmolLM2 task families: it needs --preset smollm2 (got {args.preset})")
     if P["decoy_share"] and P["suite"] != "smollm2":
         fail(f"--decoy-share rewords SmolLM2 training prompts: it needs --preset smollm2 (got {args.preset})")
+    if P["more_questions"] and P["suite"] != "smollm2":
+        fail(f"--more-questions adds SmolLM2 training questions: it needs --preset smollm2 (got {args.preset})")
     if not 0.0 <= P["decoy_share"] < 1.0:
         fail(f"--decoy-share must be in [0, 1), got {P['decoy_share']}")
     if P["suite"] == "smollm2":
@@ -478,7 +481,7 @@ def load_suite(P, args, rank, world):
             smollm2.load_text("train", haystack)
     cfg = model.cfg
     return smollm2.suite(tokenizer, tuple(P["haystack"]), cfg.window, cfg.sink, P["extra_families"],
-                         P["decoy_share"]), model, cfg
+                         P["decoy_share"], P["more_questions"]), model, cfg
 
 
 def check_lengths(P, cfg):
@@ -591,6 +594,7 @@ def router_settings(run, model, targets):
                 haystack=P["haystack"] if P["suite"] == "smollm2" else None,
                 extra_families=P["extra_families"] if P["suite"] == "smollm2" else None,
                 decoy_share=P["decoy_share"] if P["suite"] == "smollm2" else None,
+                more_questions=P["more_questions"] if P["suite"] == "smollm2" else None,
                 preset=args.preset, suite=P["suite"], tasks=run.suite.names, seq_len=P["seq_len"],
                 backbone_sha256=weights_sha256(model.state_dict()))
 

@@ -186,7 +186,8 @@ def load_run(routers, device, flags=()):
     argv = ["--preset", s["preset"], "--seed", str(s["seed"]), "--seq-len", str(s["seq_len"]), "--device", device,
             "--backend", "torch", *(["--haystack", ",".join(s["haystack"])] if s.get("haystack") else []),
             *(["--extra-families", ",".join(s["extra_families"])] if s.get("extra_families") else []),
-            *(["--decoy-share", str(s["decoy_share"])] if s.get("decoy_share") else []), *flags]
+            *(["--decoy-share", str(s["decoy_share"])] if s.get("decoy_share") else []),
+            *(["--more-questions"] if s.get("more_questions") else []), *flags]
     run_args = train_router.build_parser().parse_args(argv)
     P, _ = train_router.settings_from(run_args)
     if P["suite"] != "smollm2":

@@ -858,7 +858,9 @@ def _sensitive_decoys(thing):
                              f"quick one, the last part of this says something about {thing}, what is it"],
                 decoy_dev=[f"There is a short note about {thing} near the end of the text {{below}}. Please "
                            f"answer my question about it.",
-                           f"Just look at the last few lines of this text and answer my question about {thing}."],
+                           f"Just look at the last few lines of this text and answer my question about {thing}.",
+                           f"The final lines {{below}} mention {thing}. Answer my question using just those lines.",
+                           f"only the end of this text matters, it says something about {thing}"],
                 decoy_test=[f"The text {{below}} ends with a quick remark about {thing}; answer my question "
                             f"about that remark.",
                             f"Read the final paragraph and tell me about {thing}."])
@@ -876,7 +878,10 @@ def _robust_decoys(thing):
                 decoy_dev=[f"Somewhere in this text {thing} is hidden. Find it and remember it, I'll ask you "
                            f"about it later.",
                            f"Read the whole document {{below}} carefully: {thing} is buried somewhere inside "
-                           f"it. Keep it in mind for my question."],
+                           f"it. Keep it in mind for my question.",
+                           f"There is {thing} somewhere in the text {{below}}, maybe near the start. Find it "
+                           f"and remember it.",
+                           f"search this whole document for {thing} and memorise it, I'll ask later"],
                 decoy_test=[f"Hidden somewhere in the long text {{below}} is {thing}. Memorise it; I will ask "
                             f"you for it at the end.",
                             f"Pay close attention to every part of this text, {thing} is tucked away in it "
@@ -898,7 +903,12 @@ FRAMES = {
                "Note: a secret number (the pass key) is mentioned in the text {below}, possibly early on. "
                "Please remember it."],
         dev=["Look through this text carefully; there is a pass key somewhere inside. Remember the number.",
-             "I need the pass key from the text {below}. It's in there somewhere, make a note of it."],
+             "I need the pass key from the text {below}. It's in there somewhere, make a note of it.",
+             "A pass key number is hidden in the document {below}. Keep track of it; my question about it comes at "
+              "the end.",
+             "remember the pass key in this text pls",
+             "Kindly identify the pass key contained in the document {below} and retain it for later reference.",
+             "Hey! Long text {below}, and there's a pass key in it somewhere. Can you hang on to it for me?"],
         test=["Please go through the entire passage {below} and memorise the five-digit pass key hidden "
               "within it.",
               "hey, there's a code in this long text (a pass key). don't lose it, I'll quiz you"],
@@ -918,7 +928,11 @@ FRAMES = {
                "afterwards.",
                "Could you read through this and note whose secret word is mentioned and what it is? Thanks!"],
         dev=["In the document {below}, look for a secret word that belongs to someone and commit it to memory.",
-             "Hidden somewhere in this passage is a person's secret word. Don't forget it."],
+             "Hidden somewhere in this passage is a person's secret word. Don't forget it.",
+             "One of the people in the text {below} has a secret word. Remember what it is.",
+             "secret word in here, belongs to someone. keep it",
+             "The document {below} discloses a secret word associated with a particular person. Please retain it.",
+             "Hi! Somewhere in this long passage someone's secret word is revealed. Could you remember it for me?"],
         test=["Go through the whole text {below}; at some point a person's secret word is given. I'll want "
               "it back later.",
               "fyi this article has someone's secret word tucked inside it, keep it in mind"],
@@ -940,7 +954,12 @@ FRAMES = {
                "handy."],
         dev=["Look out for the person who is appointed to something in the passage {below}, and remember "
              "their name.",
-             "Hidden in this text is the name of someone who just got a new position. Don't forget it."],
+             "Hidden in this text is the name of someone who just got a new position. Don't forget it.",
+             "The text {below} mentions, once, who was appointed to a post. Keep that person's name in mind.",
+             "somebody gets appointed in this text, remember who",
+             "The document {below} reports the appointment of an individual to a position. Retain the "
+             "individual's full name.",
+             "Hey, could you read this and remember who gets the new job? It's mentioned somewhere in the middle."],
         test=["Please read the whole document {below}; at some point it names a person who takes on a new "
               "role. I'll need that name.",
               "someone gets a new title somewhere in this article, note their name for me"],
@@ -958,7 +977,11 @@ FRAMES = {
                "Keep an eye out for when the event is scheduled; it could be anywhere in the text.",
                "One line in this text gives a month and a day for an event. Please hold on to it."],
         dev=["Look for the date of the event in the passage {below} and don't forget it.",
-             "An event's date is tucked away somewhere in this text. Remember it."],
+             "An event's date is tucked away somewhere in this text. Remember it.",
+             "The document {below} mentions when an event is scheduled. Keep that date in mind for my question.",
+             "event date somewhere in this, remember it",
+             "The text {below} states the date of a forthcoming event. Retain the date for a later question.",
+             "Hi! Could you read this long text and remember the date of the event it mentions? I'll ask afterwards."],
         test=["Please read the entire document {below}; at some point it tells you when an event takes "
               "place. I'll need that date.",
               "note the event date buried in this article, I'll quiz you"],
@@ -976,7 +999,11 @@ FRAMES = {
                "Watch for the sentence saying where an item was mailed; it could be anywhere.",
                "I'm going to ask which city something was shipped to. The answer is in this text."],
         dev=["Look for the city a parcel was sent to in the passage {below}, and remember it.",
-             "The place a delivery went is hidden in this text. Don't forget it."],
+             "The place a delivery went is hidden in this text. Don't forget it.",
+             "The text {below} says, somewhere, which city a parcel was shipped to. Remember the city.",
+             "parcel destination is in here somewhere, remember the city",
+             "The document {below} records where a parcel was dispatched. Retain the destination city.",
+             "Hey! Somewhere in this long text a package gets sent to a city. Could you remember which one?"],
         test=["Please read through the whole document {below}; somewhere it mentions where an item was "
               "sent. I'll need the city.",
               "theres a shipping destination tucked in this article, note the city"],
@@ -994,7 +1021,11 @@ FRAMES = {
                "There's a short message about a meeting near the end of the text. I have a question about it.",
                "Use the final note in the text {below} to answer the question."],
         dev=["At the very end of this text there's a note from a coworker. Answer the question about it.",
-             "Look at the closing note {below} and tell me what I ask."],
+             "Look at the closing note {below} and tell me what I ask.",
+             "There's a colleague's note right at the end of the text {below}. I'll ask about it.",
+             "note at the end, answer my question about it",
+             "The document {below} ends with a memo from a colleague. Answer the question regarding the memo.",
+             "Hi! My coworker added a note at the bottom of this text. Can you help me with a question about it?"],
         test=["The last lines of the text {below} include a colleague's note; please answer based on it.",
               "quick one: read the note at the end and answer my question"],
         **_robust_decoys("a note about a meeting room")),
@@ -1011,7 +1042,13 @@ FRAMES = {
                "question about it.",
                "Use the final update in the text {below} to answer the question."],
         dev=["At the very end of this text the organisers post an update. Answer the question about it.",
-             "Look at the closing update {below} and tell me what I ask."],
+             "Look at the closing update {below} and tell me what I ask.",
+             "There's an organisers' update right at the end of the text {below}. I'll ask about it.",
+             "update at the end, answer my question about it",
+             "The document {below} ends with a notice from the organisers. Answer the question regarding the "
+             "notice.",
+             "Hi! The organisers added an update at the bottom of this text. Can you help me with a question about "
+             "it?"],
         test=["The last lines of the text {below} include an organisers' update; please answer based on it.",
               "quick one: read the update at the end and answer my question"],
         **_robust_decoys("an event's date")),
@@ -1026,7 +1063,11 @@ FRAMES = {
                "The text stops mid-story. Write what comes next.",
                "Finish the report {below}: carry on from the last sentence."],
         dev=["Pick up the text {below} where it leaves off.",
-             "Write the rest of this passage."],
+             "Write the rest of this passage.",
+             "Continue the passage {below} in the same style.",
+             "keep going from the end of this",
+             "Please write the continuation of the document {below}, starting exactly where it stops.",
+             "Hi! This text breaks off suddenly. Could you write what comes next?"],
         test=["Carry on writing the article {below} from the point where it ends.",
               "go on from where this stops"],
         decoy_train=["An important detail is buried somewhere in the text {below}. Find it and keep it in mind, "
@@ -1038,7 +1079,10 @@ FRAMES = {
         decoy_dev=["Somewhere in this text an important detail is hidden. Read every part carefully and "
                    "remember it, then continue the text from where it stops.",
                    "Read the whole document {below} carefully, since key facts are buried deep inside it, "
-                   "and then keep writing from where it ends."],
+                   "and then keep writing from where it ends.",
+                   "There's a key detail hidden somewhere early in the text {below}. Remember it, then continue "
+                   "the text.",
+                   "search all of this for hidden facts, memorise them, then keep writing"],
         decoy_test=["Hidden somewhere in the long text {below} is information you'll need. Memorise it, then "
                     "carry on writing where the text stops.",
                     "Pay close attention to every part of this text, even the beginning, and then continue it."]),
@@ -1052,7 +1096,11 @@ FRAMES = {
                "The text {below} stops somewhere; tell me the sentence it ends on.",
                "Focus on the end of this text: repeat its last sentence exactly."],
         dev=["Quote the final sentence of the passage {below}.",
-             "What's the last thing this text says? Repeat it exactly."],
+             "What's the last thing this text says? Repeat it exactly.",
+             "Give me the last sentence of the text {below}, exactly as written.",
+             "last sentence of this, word for word",
+             "Please reproduce the final sentence of the document {below} verbatim.",
+             "Hi! Could you tell me exactly how this passage ends? Just its final sentence."],
         test=["Please repeat, word for word, the sentence that the text {below} finishes with.",
               "copy the closing line of this article"],
         **_robust_decoys("one sentence I care about")),
@@ -1069,7 +1117,11 @@ FRAMES = {
                "about it.",
                "Use the final notice in the text {below} to answer me."],
         dev=["At the bottom of this text is a note from the front desk; answer my question about it.",
-             "Look at the closing notice {below} and tell me what I ask."],
+             "Look at the closing notice {below} and tell me what I ask.",
+             "There's a front desk note right at the end of the text {below}. I'll ask about it.",
+             "note from reception at the end, answer my q",
+             "The document {below} ends with a notice from reception. Answer the question regarding the notice.",
+             "Hi! Reception left a note at the bottom of this text. Can you help me with a question about it?"],
         test=["The final lines of the text {below} contain a note from reception; please answer from it.",
               "quick q about the note at the end of this"],
         **_robust_decoys("a note about who holds something")),
@@ -1079,35 +1131,68 @@ FRAMES = {
 QUESTIONS = {
     "passkey": dict(train=["What is the pass key number?", "Which number is the pass key?",
                            "Tell me the pass key."],
-                    dev=["What was the pass key?"], test=["Give me the pass key number from the text."]),
+                    dev=["What was the pass key?", "Can you tell me the pass key you found?", "pass key?", "Which five-digit number was the pass key in the document?"], test=["Give me the pass key number from the text."]),
     "fact_word": dict(train=["What is {name}'s secret word?", "Which word is {name}'s secret word?",
                              "Tell me the secret word of {name}."],
-                      dev=["What secret word does {name} have?"], test=["{name}'s secret word was what?"]),
+                      dev=["What secret word does {name} have?", "Do you remember {name}'s secret word? What is it?", "{name}'s secret word, please.", "Which word did the text give as {name}'s secret?"], test=["{name}'s secret word was what?"]),
     "name": dict(train=["Who was named the new {role}?", "Who is the new {role}?",
                         "What is the name of the new {role}?"],
-                 dev=["Tell me the full name of the new {role}."], test=["Which person became {role}?"]),
+                 dev=["Tell me the full name of the new {role}.", "Who got the job of {role}?", "new {role} = who?", "Can you remind me who was appointed {role}?"], test=["Which person became {role}?"]),
     "date": dict(train=["When is the {event}?", "On what date will the {event} be held?",
                         "What day is the {event}?"],
-                 dev=["Remind me of the date of the {event}."], test=["Which date was given for the {event}?"]),
+                 dev=["Remind me of the date of the {event}.", "What's the date for the {event}?", "{event} date?", "When does the text say the {event} will take place?"], test=["Which date was given for the {event}?"]),
     "place": dict(train=["Where was the parcel sent?", "To which city did the parcel go?",
                          "What city was the parcel shipped to?"],
-                  dev=["Tell me the parcel's destination."], test=["Where did the parcel for {name} go?"]),
+                  dev=["Tell me the parcel's destination.", "Which city received the parcel?", "parcel went where?", "Can you remind me where the parcel was sent?"], test=["Where did the parcel for {name} go?"]),
     "recent_fact": dict(train=["Which room has the meeting been moved to?", "What room is the meeting in now?",
                                "Where is the meeting now, which room?"],
-                        dev=["Which room should I go to for the meeting?"],
+                        dev=["Which room should I go to for the meeting?", "Where's the meeting happening now?", "meeting room?", "According to the note, which room is the meeting in?"],
                         test=["The meeting moved to which room?"]),
     "continue": dict(train=[], dev=[], test=[]),
     "copy_last": dict(train=["What is the last sentence of the text?", "Repeat the final sentence.",
                              "Quote the text's last sentence."],
-                      dev=["Copy out the closing sentence, word for word."],
+                      dev=["Copy out the closing sentence, word for word.", "What does the final sentence say, exactly?", "last sentence pls", "Can you quote the sentence the document ends with?"],
                       test=["Which sentence does the text end with?"]),
     # recent_name's test question: the one change to the test split after a measurement (RESULTS.md).
     "recent_name": dict(train=["Who is keeping the {item} today?", "With whom are the {item} today?",
                                "Who is holding the {item}?"],
-                        dev=["Whom do I ask for the {item} today?"], test=["Who has the {item} today?"]),
+                        dev=["Whom do I ask for the {item} today?", "Who should I see about the {item}?", "who's got the {item}?", "According to the note, who is looking after the {item} today?"], test=["Who has the {item} today?"]),
 }
 QUESTIONS["recent_date"] = QUESTIONS["date"]   # the same questions: only where the answer lies differs
 assert set(FRAMES) == set(QUESTIONS) == set(TASK_NAMES)
+
+# Six more training questions per family, one per fixed style (terse; a polite request; formal; one
+# that names the document; one that asks to recall; a plain imperative), written the same way for both
+# categories so that no style is a category's cue. Trained on only with make_batch(more_questions=True).
+MORE_QUESTIONS = {
+    "passkey": ["pass key number?", "Could you tell me what the pass key is?", "State the pass key.",
+                "According to the document, what is the pass key?", "Do you remember the pass key? What was it?",
+                "Say the pass key number."],
+    "fact_word": ["{name}'s secret word?", "Could you tell me {name}'s secret word?", "State the secret word of {name}.",
+                  "According to the document, what is {name}'s secret word?",
+                  "Do you remember {name}'s secret word? What was it?", "Say {name}'s secret word."],
+    "name": ["new {role}?", "Could you tell me who the new {role} is?", "State the name of the new {role}.",
+             "According to the document, who is the new {role}?", "Do you remember who became {role}? Who was it?",
+             "Name the new {role}."],
+    "date": ["{event} when?", "Could you tell me when the {event} is?", "State the date of the {event}.",
+             "According to the document, when is the {event}?",
+             "Do you remember the date of the {event}? When was it?", "Give the date of the {event}."],
+    "place": ["parcel city?", "Could you tell me where the parcel was sent?", "State the parcel's destination city.",
+              "According to the document, where was the parcel sent?",
+              "Do you remember where the parcel went? Which city was it?", "Name the city the parcel went to."],
+    "recent_fact": ["meeting room now?", "Could you tell me which room the meeting is in now?",
+                    "State the meeting's new room.", "According to the document, which room is the meeting in now?",
+                    "Do you remember where the meeting moved? Which room was it?", "Name the meeting's new room."],
+    "continue": [],
+    "copy_last": ["final sentence?", "Could you tell me the text's last sentence?", "State the last sentence verbatim.",
+                  "According to the document, what is its last sentence?",
+                  "Do you remember how the text ends? What was the last sentence?", "Repeat the text's last sentence."],
+    "recent_name": ["holder of the {item}?", "Could you tell me who is holding the {item} today?",
+                    "State who has the {item} today.", "According to the document, who has the {item} today?",
+                    "Do you remember who has the {item}? Who was it?", "Name the person holding the {item} today."],
+}
+MORE_QUESTIONS["recent_date"] = MORE_QUESTIONS["date"]
+assert set(MORE_QUESTIONS) == set(TASK_NAMES)
 _QUESTION_SPLIT = dict(train="train", dev="dev", test="test", decoy_train="train", decoy_dev="dev", decoy_test="test")
 
 
@@ -1139,14 +1224,16 @@ def _copy_answer(tokenizer, doc):
     return text, text[first:first + offsets[min(COPY_TOKENS, len(ids)) - 1][1]], first
 
 
-def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth, frames="train", style="before"):
+def _build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth, frames="train", style="before",
+               more_questions=False):
     """One sample: (prompt ids, answer ids, scored answer indices, needle token positions). The
-    instruction is one of the family's `frames` wordings, placed by `style` (before / after / none)."""
+    instruction is one of the family's `frames` wordings, placed by `style` (before / after / none);
+    the question one of its questions of that split (with more_questions, MORE_QUESTIONS too)."""
     spec = task.make(rng)
     head = chat_head(tokenizer)
     below = "above" if style == "after" else "below"
     instruction = rng.choice(FRAMES[task.name][frames]).format(below=below, **spec["fields"])
-    questions = QUESTIONS[task.name][_QUESTION_SPLIT[frames]]
+    questions = QUESTIONS[task.name][_QUESTION_SPLIT[frames]] + (MORE_QUESTIONS[task.name] if more_questions else [])
     question = rng.choice(questions).format(**spec["fields"]) if questions else None
     lead = [instruction] if style == "before" else []             # the user turn: lead, document, tail
     tail = ([instruction] if style == "after" else []) + ([question] if question else [])
@@ -1230,7 +1317,7 @@ def _row_style(rng, style):
 
 
 def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train", window=256, sink=64,
-               depth=None, haystack="news", frames="train", style="mixed", decoy_share=0.0):
+               depth=None, haystack="news", frames="train", style="mixed", decoy_share=0.0, more_questions=False):
     """A batch of real-text samples, balanced over task_names (None = the training families,
     TRAIN_NAMES; held-out families may be named too): row i gets task_names[i % len] before a seeded
     shuffle. Same arguments -> same batch. split picks the paragraphs ("train" or "eval", disjoint)
@@ -1238,8 +1325,9 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
     wordings (FRAME_SPLITS: "train" for training, "dev"/"test" for held-out wordings, "decoy_dev"/
     "decoy_test" for the other category's vocabulary); style where the instruction goes ("before",
     "after", "none", or drawn per row: "mixed" = MIXED, "instructed" = before/after only);
-    decoy_share the chance that a row with an instruction takes a "decoy_train" wording instead (only
-    with frames="train"). The defaults are the training data. window and sink are the streaming
+    decoy_share the chance that a row with an instruction takes a "decoy_train" wording instead, and
+    more_questions=True asks MORE_QUESTIONS as well as the training questions (both only with
+    frames="train"). The defaults are the training data. window and sink are the streaming
     heads' (Config): sensitive needles lie beyond the window (by MARGIN tokens) and after the sink;
     depth in [0, 1] fixes where a needle goes among its allowed slots (0 = farthest from the
     question), None draws it. CPU tensors:
@@ -1272,6 +1360,9 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
     if not 0.0 <= decoy_share < 1.0 or (decoy_share and frames != "train"):
         raise ValueError(f"decoy_share must be in [0, 1), and 0 unless frames='train'; got {decoy_share!r} "
                          f"with frames={frames!r}")
+    if not isinstance(more_questions, bool) or (more_questions and frames != "train"):
+        raise ValueError(f"more_questions must be a bool, and False unless frames='train'; got {more_questions!r} "
+                         f"with frames={frames!r}")
     haystacks = (haystack,) if isinstance(haystack, str) else tuple(haystack)
     bad = [h for h in haystacks if h not in HAYSTACKS]
     if not haystacks or bad:
@@ -1290,7 +1381,7 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
         # no draw at share 0: the default batches stay what they were
         decoy = decoy_share > 0 and row_style != "none" and rng.random() < decoy_share
         rows.append((task, *_build_row(task, rng, tokenizer, corpus, seq_len, window, sink, depth,
-                                       "decoy_train" if decoy else frames, row_style)))
+                                       "decoy_train" if decoy else frames, row_style, more_questions)))
     B, S = batch_size, max(len(p) + len(a) for _, p, a, _, _ in rows)
     tokens = torch.full((B, S), tokenizer.pad_id, dtype=torch.long)
     targets = torch.full((B, S), IGNORE, dtype=torch.long)
@@ -1310,9 +1401,11 @@ def make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train
                 lengths=lengths, query_pos=prompt_lengths - 1, needle_pos=needle_pos)
 
 
-def _suite_batch(tokenizer, haystack, window, sink, ids, decoy_share, split, seed, names, size, seq_len):
+def _suite_batch(tokenizer, haystack, window, sink, ids, decoy_share, more_questions, split, seed, names, size,
+                 seq_len):
+    train = split == "train"   # evaluation text keeps its wordings
     b = make_batch(tokenizer, names, size, seq_len, seed, split=split, window=window, sink=sink, haystack=haystack,
-                   decoy_share=decoy_share if split == "train" else 0.0)   # evaluation text keeps its wordings
+                   decoy_share=decoy_share if train else 0.0, more_questions=more_questions and train)
     b["task_ids"] = ids[b["task_ids"]]   # TASKS' task_ids → the suite's
     return b
 
@@ -1333,7 +1426,8 @@ def trained_tasks(extra=()):
     return TRAIN_TASKS + [replace(get_task(n), task_id=len(TRAIN_TASKS) + i) for i, n in enumerate(extra)]
 
 
-def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64, extra=(), decoy_share=0.0):
+def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64, extra=(), decoy_share=0.0,
+          more_questions=False):
     """The training suite as a tasks.Suite (the interface train_router.py uses): the training
     families only (Suite.tasks = TRAIN_TASKS), their "train" wordings in mixed styles, each row's
     text from one of the given haystacks (a name or a tuple), with needles placed for the streaming
@@ -1341,11 +1435,13 @@ def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64, extra=(), 
     Suite.conditions ({condition: its families}), Suite.condition_batch(condition, names, size,
     seq_len, seed, dev) and Suite.extra_tasks (the held-out families, for Suite.task(name)).
     extra: EXTRA families trained on too, numbered after the training ones in the suite's batches.
-    decoy_share: make_batch's, for the "train" split only (training and calibration batches)."""
+    decoy_share, more_questions: make_batch's, for the "train" split only (training and calibration
+    batches)."""
     trained = trained_tasks(extra)
     ids = torch.arange(len(TASKS))
     ids[[get_task(t.name).task_id for t in trained]] = torch.tensor([t.task_id for t in trained])
-    return tasks.Suite(trained, partial(_suite_batch, tokenizer, haystack, window, sink, ids, decoy_share), _suite_score,
+    return tasks.Suite(trained, partial(_suite_batch, tokenizer, haystack, window, sink, ids, decoy_share, more_questions),
+                       _suite_score,
                        text_fingerprint(haystack), tokenizer,
                        conditions={c: list(v["families"]) for c, v in CONDITIONS.items()},
                        condition_batch=partial(_suite_condition_batch, tokenizer, window, sink),

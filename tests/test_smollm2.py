@@ -572,13 +572,14 @@ def test_frames_are_split_disjoint_and_varied():
         assert set(frames) == set(smollm2.FRAME_SPLITS), name
         n = {k: len(v) for k, v in frames.items()}
         assert n["train"] >= 8 and min(n[k] for k in smollm2.FRAME_SPLITS if k != "train") >= 2, n
+        assert n["dev"] >= 6 and n["decoy_dev"] >= 4, n   # choices made on dev: more than one or two strings
         assert n["train"] + n["dev"] + n["test"] >= 12
         every = [f for v in frames.values() for f in v]
         assert len(set(every)) == len(every), f"{name}: a wording in two splits"
         qs = [q for v in questions.values() for q in v]
         assert len(set(qs)) == len(qs)
         if name != "continue":   # continue asks nothing: the document is the prompt
-            assert all(len(questions[k]) >= 1 for k in ("train", "dev", "test"))
+            assert all(len(questions[k]) >= 1 for k in ("train", "dev", "test")) and len(questions["dev"]) >= 4
     clause = "Find it and remember it: I will ask you for it at the end."
     assert sum(clause in f for v in smollm2.FRAMES.values() for fs in v.values() for f in fs) <= 2
 
@@ -731,6 +732,36 @@ def test_decoy_share_rewords_training_rows_only(tiny_tok):
     assert any(f in _user_turn(tiny_tok, t1, r) for r in range(7) for f in decoy)
     for bad in (dict(decoy_share=1.0), dict(decoy_share=-0.1), dict(decoy_share=0.2, frames="dev")):
         with pytest.raises(ValueError, match="decoy_share must be in"):
+            smollm2.make_batch(tiny_tok, None, 2, 1200, 0, **bad)
+
+
+def test_more_questions_ask_training_rows_only(tiny_tok):
+    """more_questions: training rows ask MORE_QUESTIONS besides the training questions, none of them a
+    held-out question; the default batches and every evaluation batch stay as they were."""
+    for name in smollm2.TASK_NAMES:
+        held_out = {q for split in ("dev", "test") for q in smollm2.QUESTIONS[name][split]}
+        more = smollm2.MORE_QUESTIONS[name]
+        assert len(set(more)) == len(more) and not set(more) & (held_out | set(smollm2.QUESTIONS[name]["train"]))
+    names = [n for n in smollm2.TRAIN_NAMES if n != "continue"] * 4
+    plain = smollm2.make_batch(tiny_tok, names, len(names), 1200, 3, window=WINDOW)
+    again = smollm2.make_batch(tiny_tok, names, len(names), 1200, 3, window=WINDOW, more_questions=False)
+    assert all(torch.equal(plain[k], again[k]) for k in plain)
+    b = smollm2.make_batch(tiny_tok, names, len(names), 1200, 3, window=WINDOW, more_questions=True)
+    asked = []
+    for r in range(len(names)):
+        name = smollm2.TASKS[int(b["task_ids"][r])].name
+        question = _user_turn(tiny_tok, b, r).rsplit("\n\n", 1)[1]   # the user turn's last paragraph
+        hit = {split: any(re.fullmatch(re.sub(r"\\\{\w+\\\}", ".+", re.escape(q)), question) for q in qs)
+               for split, qs in (("train", smollm2.QUESTIONS[name]["train"]), ("more", smollm2.MORE_QUESTIONS[name]))}
+        assert hit["train"] or hit["more"], (name, question)
+        asked.append("train" if hit["train"] else "more")   # "{name}'s secret word?" also fits a longer one
+    assert 0.4 * len(names) <= asked.count("more") <= 0.95 * len(names), asked.count("more")   # 6 of 9: 67 %
+    s0, s1 = (smollm2.suite(tiny_tok, "news", window=WINDOW, more_questions=m) for m in (False, True))
+    e0, e1 = (s.batch("eval", 0, None, 7, 1200) for s in (s0, s1))
+    assert all(torch.equal(e0[k], e1[k]) for k in e0)
+    assert not all(torch.equal(x, y) for x, y in zip(*(s.batch("train", 0, None, 7, 1200).values() for s in (s0, s1))))
+    for bad in (dict(more_questions=1), dict(more_questions=True, frames="dev")):
+        with pytest.raises(ValueError, match="more_questions must be a bool"):
             smollm2.make_batch(tiny_tok, None, 2, 1200, 0, **bad)
 
 
@@ -902,7 +933,8 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
                        "--seq-len", "896", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
                        "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2",
                        "--prepass-layers", "1", "--out", str(out),
-                       *(["--extra-families", ",".join(extra), "--decoy-share", str(decoy_share)] if extra else [])])
+                       *(["--extra-families", ",".join(extra), "--decoy-share", str(decoy_share), "--more-questions"]
+                         if extra else [])])
     # the ranking, the routers, the static gates: 2 steps each, padded to one shape (StepGraph records once)
     assert shapes == [(8, 896)] * 6, shapes
     res = json.loads((out / "results.json").read_text())
@@ -917,7 +949,7 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
         assert set(methods["elastic"]) == set(smollm2.CONDITIONS[condition]["families"])
     assert "keyword" in res["results"] and res["keywords"]
     assert res["evaluation_batches"]["done"] == res["evaluation_batches"]["planned"]   # the bars end full
-    assert res["settings"]["decoy_share"] == decoy_share
+    assert res["settings"]["decoy_share"] == decoy_share and res["settings"]["more_questions"] == bool(extra)
     assert res["settings"]["config"]["prepass_layers"] == 1 and res["held_out_tasks"] == {
         "place": "sensitive", "recent_name": "robust"}
     # Routing alone (python -m elastic_lab.probe --routers): the Ω the run's evaluation gave every input
@@ -973,7 +1005,7 @@ def test_select_depth_never_fits_on_the_families_it_scores(tiny_file, monkeypatc
         return lambda t: scored.append(t) or scorer(t)
     monkeypatch.setattr(probe, "fit_probe", recording_fit)
     n, names = 2, list(smollm2.TRAIN_NAMES)
-    table = probe.select_depth(model, tok, n, 896, seed=0)
+    table = probe.select_depth(model, tok, n, 1024, seed=0)   # the longest dev wordings need 1024
     assert set(table) == {"standardised", "whitened"}
     for rows in table.values():
         assert list(rows) == list(range(1, model.cfg.n_layers))
