@@ -8,7 +8,8 @@ its tokenizer and chat format, and a real-text task suite in the batch contract 
     model     from_gguf(path, **config_overrides) -> (Transformer, Tokenizer)
                                                       dequantised to float32 (cast it yourself)
     tasks     TASKS (all families), TRAIN_TASKS / TRAIN_NAMES, HELD_OUT, TASK_NAMES, SENSITIVE, ROBUST,
-              get_task(name); FRAMES / QUESTIONS {family: {split: [wording, ...]}}, FRAME_SPLITS, STYLES;
+              get_task(name); FRAMES / QUESTIONS {family: {split: [wording, ...]}}, FRAME_SPLITS, STYLES,
+              MORE_QUESTIONS {family: [question, ...]} (trained on only when asked);
               suite(tokenizer, haystack=("news", "pydoc"), window, sink) -> tasks.Suite of the
               training families, the interface train_router.py uses
     tests     CONDITIONS {condition: dict(families, frames, style, haystack)}, the frozen held-out set;
@@ -18,7 +19,7 @@ its tokenizer and chat format, and a real-text task suite in the batch contract 
               text_fingerprint(haystack), wiki_articles(xml) -> [[paragraph, ...] per article]
               make_batch(tokenizer, task_names, batch_size, seq_len, seed, *, split="train",
                          window=256, sink=64, depth=None, haystack="news", frames="train",
-                         style="mixed") -> dict of CPU tensors
+                         style="mixed", decoy_share=0.0, more_questions=False) -> dict of CPU tensors
               answer_accuracy(logits, targets), nll(logits, targets) -> (B,)
               uniform_modes(model, B, mode)
               forward_scored(model, batch, modes=None) -> logits only where a token is scored
@@ -65,8 +66,8 @@ answers). task_ids: the training families 0-6, then the held-out ones (never tra
     8 recent_name  robust     held out: a front-desk note near the end says who has some items
     9 recent_date  robust     extra, trained only when asked (suite(extra=...)): date's questions, the
                               date in an organisers' note near the end; in no test condition
-Each family has >= 12 instruction wordings split train / dev / test, decoy wordings for evaluation
-and >= 3 question wordings (FRAMES, QUESTIONS); the instruction goes before the document, after it,
+Each family has >= 16 instruction wordings split train / dev / test, decoy wordings (training-only
+ones too) and >= 8 question wordings (FRAMES, QUESTIONS); the instruction goes before the document, after it,
 or nowhere (style; training mixes them 45 / 35 / 20 %). The accuracy tasks teacher-force a fixed
 answer sentence and score exact match on its value tokens and the one token before them (where a
 greedy answer commits to the value or drifts off).
