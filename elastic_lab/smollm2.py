@@ -67,10 +67,10 @@ answers). task_ids: the training families 0-6, then the held-out ones (never tra
     9 recent_date  robust     extra, trained only when asked (suite(extra=...)): date's questions, the
                               date in an organisers' note near the end; in no test condition
 Each family has >= 16 instruction wordings split train / dev / test, decoy wordings (training-only
-ones too) and >= 8 question wordings (FRAMES, QUESTIONS); the instruction goes before the document, after it,
-or nowhere (style; training mixes them 45 / 35 / 20 %). The accuracy tasks teacher-force a fixed
-answer sentence and score exact match on its value tokens and the one token before them (where a
-greedy answer commits to the value or drifts off).
+ones too) and, but for continue, >= 8 question wordings (FRAMES, QUESTIONS); the instruction goes
+before the document, after it, or nowhere (style; training mixes them 45 / 35 / 20 %). The accuracy
+tasks teacher-force a fixed answer sentence and score exact match on its value tokens and the one
+token before them (where a greedy answer commits to the value or drifts off).
 
 Batch (make_batch), like tasks.py's with padding and an explicit prompt boundary:
     tokens (B, S), targets (B, S) (-100 except scored positions: targets[t] = tokens[t + 1]),
@@ -905,8 +905,8 @@ FRAMES = {
                "Please remember it."],
         dev=["Look through this text carefully; there is a pass key somewhere inside. Remember the number.",
              "I need the pass key from the text {below}. It's in there somewhere, make a note of it.",
-             "A pass key number is hidden in the document {below}. Keep track of it; my question about it comes at "
-              "the end.",
+             "A pass key number is hidden in the document {below}. Keep track of it; my question about it comes "
+             "at the end.",
              "remember the pass key in this text pls",
              "Kindly identify the pass key contained in the document {below} and retain it for later reference.",
              "Hey! Long text {below}, and there's a pass key in it somewhere. Can you hang on to it for me?"],
@@ -1203,7 +1203,8 @@ MORE_QUESTIONS = {
                   "According to the document, what is its last sentence?",
                   "Do you remember how the text ends? What was the last sentence?", "Repeat the text's last sentence."],
     "recent_name": ["holder of the {item}?", "Could you tell me who is holding the {item} today?",
-                    "State who has the {item} today.", "According to the document, who has the {item} today?",
+                    "State the name of whoever holds the {item} today.",
+                    "According to the document, who holds the {item} today?",
                     "Do you remember who has the {item}? Who was it?", "Name the person holding the {item} today."],
 }
 MORE_QUESTIONS["recent_date"] = MORE_QUESTIONS["date"]
@@ -1455,9 +1456,8 @@ def suite(tokenizer, haystack=("news", "pydoc"), window=256, sink=64, extra=(), 
     trained = trained_tasks(extra)
     ids = torch.arange(len(TASKS))
     ids[[get_task(t.name).task_id for t in trained]] = torch.tensor([t.task_id for t in trained])
-    return tasks.Suite(trained, partial(_suite_batch, tokenizer, haystack, window, sink, ids, decoy_share, more_questions),
-                       _suite_score,
-                       text_fingerprint(haystack), tokenizer,
+    batch = partial(_suite_batch, tokenizer, haystack, window, sink, ids, decoy_share, more_questions)
+    return tasks.Suite(trained, batch, _suite_score, text_fingerprint(haystack), tokenizer,
                        conditions={c: list(v["families"]) for c, v in CONDITIONS.items()},
                        condition_batch=partial(_suite_condition_batch, tokenizer, window, sink),
                        extra_tasks=tuple(t for t in TASKS if t.held_out))

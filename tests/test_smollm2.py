@@ -573,7 +573,7 @@ def test_frames_are_split_disjoint_and_varied():
         n = {k: len(v) for k, v in frames.items()}
         assert n["train"] >= 8 and min(n[k] for k in smollm2.FRAME_SPLITS if k != "train") >= 2, n
         assert n["dev"] >= 6 and n["decoy_dev"] >= 4, n   # choices made on dev: more than one or two strings
-        assert n["train"] + n["dev"] + n["test"] >= 12
+        assert n["train"] + n["dev"] + n["test"] >= 16
         every = [f for v in frames.values() for f in v]
         assert len(set(every)) == len(every), f"{name}: a wording in two splits"
         qs = [q for v in questions.values() for q in v]
@@ -742,6 +742,8 @@ def test_more_questions_ask_training_rows_only(tiny_tok):
         held_out = {q for split in ("dev", "test") for q in smollm2.QUESTIONS[name][split]}
         more = smollm2.MORE_QUESTIONS[name]
         assert len(set(more)) == len(more) and not set(more) & (held_out | set(smollm2.QUESTIONS[name]["train"]))
+        for q in smollm2.QUESTIONS[name]["test"]:   # nor one that asks a test question inside it
+            assert not [m for m in more if q.lower().rstrip("?.") in m.lower()], (name, q)
     names = [n for n in smollm2.TRAIN_NAMES if n != "continue"] * 4
     plain = smollm2.make_batch(tiny_tok, names, len(names), 1200, 3, window=WINDOW)
     again = smollm2.make_batch(tiny_tok, names, len(names), 1200, 3, window=WINDOW, more_questions=False)
