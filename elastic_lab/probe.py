@@ -113,17 +113,20 @@ def collect(model, tokenizer, names, n, seq_len, seed, condition=None, dev=False
     return {k: torch.cat([f[k] for f in feats], 1) for k in feats[0]}, torch.tensor(labels)
 
 
-def select_depth(model, tokenizer, n, seq_len, seed):
+def select_depth(model, tokenizer, n, seq_len, seed, extra=()):
     """The development protocol that chooses the pre-pass depth without a held-out family, wording or
     text: {reader: {layer: {check: AUC}}} of the last-token residual, for the standardised and the
     whitened (count router's) reader. Checks, all on development wordings of trained families:
     "families", leave one sensitive and one robust trained family out of the fit, score those two
-    (mean over the 4 × 3 pairs); "wordings", "question_only", "decoys" as the test conditions are made."""
+    (mean over the 4 × 3 pairs); "wordings", "question_only", "decoys" as the test conditions are made.
+    extra: smollm2.EXTRA families a run would also train on; they join every fit and are never scored."""
+    smollm2.trained_tasks(extra)   # refuses a name that is not an extra family
     names = smollm2.TRAIN_NAMES
-    x, y = collect(model, tokenizer, names, n, seq_len, seed)
-    family = torch.arange(len(names)).repeat_interleave(n)
+    x, y = collect(model, tokenizer, names + list(extra), n, seq_len, seed)
+    family = torch.arange(len(names) + len(extra)).repeat_interleave(n)   # x's rows, extra families last
     dev = {c: collect(model, tokenizer, names, n, seq_len, seed + 2, c, dev=True)
            for c in ("wordings", "question_only", "decoys")}
+    dev_family = family[:len(names) * n]
     pairs = [(i, j) for i, a in enumerate(names) for j, b in enumerate(names)
              if smollm2.get_task(a).category == "sensitive" and smollm2.get_task(b).category == "robust"]
     auc = lambda score, yy: report.auc(score[yy == 0].tolist(), score[yy == 1].tolist())
@@ -136,7 +139,7 @@ def select_depth(model, tokenizer, n, seq_len, seed):
             lofo = []
             for i, j in pairs:
                 keep = (family != i) & (family != j)
-                held = (family == i) | (family == j)    # dev["wordings"] lists families as x does
+                held = (dev_family == i) | (dev_family == j)
                 probe = fit_probe(xs[keep], y[keep], whiten=reader == "whitened")
                 lofo.append(auc(probe(dev["wordings"][0]["last"][layer][held]), dev["wordings"][1][held]))
             row["families"] = statistics.mean(lofo)
@@ -235,7 +238,8 @@ def select_main(args, table):
     """Print select_depth's table and the depth with the best mean, per reader."""
     checks = list(next(iter(table["whitened"].values())))
     print(f"development AUC of the last-token residual by pre-pass depth ({args.per_task} prompts per trained family, "
-          f"{args.pool_tokens} tokens at each end; families: one sensitive and one robust family left out of the fit)")
+          f"{args.pool_tokens} tokens at each end; families: one sensitive and one robust family left out of the fit"
+          f"{'; in every fit: ' + args.extra_families if args.extra_families else ''})")
     print(f"{'depth':<7}" + "".join(f"{r[:5]} {c[:10]:<11}" for r in table for c in checks))
     for layer in table["whitened"]:
         print(f"{layer:<7}" + "".join(f"{table[r][layer][c]:<17.3f}" for r in table for c in checks))
@@ -245,7 +249,7 @@ def select_main(args, table):
         print(f"{reader}: best depth {best} (mean {mean[best]:.3f})")
     if args.out:
         summary = dict(per_task=args.per_task, seq_len=args.seq_len, pool_tokens=args.pool_tokens, seed=args.seed,
-                       select=table)
+                       extra_families=args.extra_families, select=table)
         elastic_attention.write_atomic(args.out, lambda f: f.write(json.dumps(summary, indent=1).encode()))
 
 
@@ -268,6 +272,8 @@ def main(argv=None):
                                                       "seeds), where choices are made; default: the test set")
     p.add_argument("--select", action="store_true", help="choose the pre-pass depth on development prompts "
                                                          "of the trained families only (select_depth)")
+    p.add_argument("--extra-families", default="", help="with --select: extra families (smollm2.EXTRA, comma-"
+                                                        "separated) in every fit, as train_router's flag trains them")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="write the AUC table (with --routers: the routing table) here as JSON")
     p.add_argument("--routers", help="a smollm2 run's router.pt: route that run's evaluation prompts instead "
@@ -275,11 +281,18 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.per_task < 2:
         raise SystemExit(f"error: --per-task must be >= 2, got {args.per_task}")
+    extra = tuple(args.extra_families.split(",")) if args.extra_families else ()
+    if extra and not args.select:
+        raise SystemExit("error: --extra-families goes with --select")
+    try:
+        smollm2.trained_tasks(extra)
+    except ValueError as e:
+        raise SystemExit(f"error: --extra-families: {e}")
     model, tokenizer = smollm2.from_gguf(smollm2.fetch_gguf(), backend="torch", pool_tokens=args.pool_tokens)
     model.to(args.device)
     model.cfg.prepass_layers = model.cfg.n_layers     # run every layer: the hooks read each one
     if args.select:
-        return select_main(args, select_depth(model, tokenizer, args.per_task, args.seq_len, args.seed))
+        return select_main(args, select_depth(model, tokenizer, args.per_task, args.seq_len, args.seed, extra))
     train_names = smollm2.TRAIN_NAMES
     x, y = collect(model, tokenizer, train_names, args.per_task, args.seq_len, args.seed)
     table = {}

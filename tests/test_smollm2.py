@@ -988,9 +988,11 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     assert set(dev) == set(routes["decoys"]) and dev != routes["decoys"]
 
 
-def test_select_depth_never_fits_on_the_families_it_scores(tiny_file, monkeypatch):
+@pytest.mark.parametrize("extra", [(), ("recent_date",)])
+def test_select_depth_never_fits_on_the_families_it_scores(tiny_file, monkeypatch, extra):
     """probe.select_depth, the rule that picks the pre-pass depth: each "families" score comes from a
-    probe fitted without the two families it scores (one sensitive, one robust), every pair once."""
+    probe fitted without the two families it scores (one sensitive, one robust), every pair once; an
+    extra family is in every fit and never scored."""
     from elastic_lab import probe
     _, ref = tiny_file
     tok = smollm2.Tokenizer.from_gguf(tiny_file[0])
@@ -1006,8 +1008,12 @@ def test_select_depth_never_fits_on_the_families_it_scores(tiny_file, monkeypatc
         fits.append((x, scored))
         return lambda t: scored.append(t) or scorer(t)
     monkeypatch.setattr(probe, "fit_probe", recording_fit)
+    for argv, message in ((["--extra-families", "recent_date"], "--extra-families goes with --select"),
+                          (["--select", "--extra-families", "place"], r"must be distinct names from \['recent_date'\]")):
+        with pytest.raises(SystemExit, match=message):   # before any model loads
+            probe.main(argv)
     n, names = 2, list(smollm2.TRAIN_NAMES)
-    table = probe.select_depth(model, tok, n, 1024, seed=0)   # the longest dev wordings need 1024
+    table = probe.select_depth(model, tok, n, 1024, seed=0, extra=extra)   # the longest dev wordings need 1024
     assert set(table) == {"standardised", "whitened"}
     for rows in table.values():
         assert list(rows) == list(range(1, model.cfg.n_layers))
@@ -1016,17 +1022,19 @@ def test_select_depth_never_fits_on_the_families_it_scores(tiny_file, monkeypatc
             assert all(0 <= v <= 1 for v in row.values())
     train, dev_wordings = collected[0][0]["last"], collected[1][0]["last"]
 
+    fit_names = names + list(extra)   # the training pool's families, in its order
+
     def families_of(x, pool):   # which families' rows of pool x holds
-        return {names[int((pool == r).all(1).nonzero()[0]) // n] for r in x}
+        return {fit_names[int((pool == r).all(1).nonzero()[0]) // n] for r in x}
     pairs = []
     for x, scored in fits:
         layer = next(i for i in range(train.shape[0]) if x.shape[0] and (train[i] == x[0]).all(1).any())
         fitted = families_of(x, train[layer])
-        if len(fitted) == len(names):   # the full fit, scored on every development condition
+        if len(fitted) == len(fit_names):   # the full fit, scored on every development condition
             continue
         (held,) = scored
         scored_families = families_of(held, dev_wordings[layer])
-        assert not fitted & scored_families and fitted | scored_families == set(names)
+        assert set(extra) <= fitted and not fitted & scored_families and fitted | scored_families == set(fit_names)
         assert sorted(smollm2.get_task(f).category for f in scored_families) == ["robust", "sensitive"]
         pairs.append(frozenset(scored_families))
     sensitive = sum(smollm2.get_task(f).category == "sensitive" for f in names)
