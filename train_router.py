@@ -94,6 +94,7 @@ SETTINGS = dict(
     router="mlp",             # the paper's: a logit per KV head from its layer's pooled keys
     ranking=None,             # ranked routers: "static" trains the ranking first, then the count against it
     prepass_layers=0,         # ranked routers: the count reads layer 0's keys (n: a pre-pass's residual after n layers)
+    count_readout="trained",  # pre-pass count router: all its weights train; "probe": one fitted direction, gain + bias train
     pool_tokens=None,         # prompt tokens a router pools at each end (None: the model's)
     steps=600,                # router steps: about 2.5 minutes on 2 cores
     batch_size=16,            # tasks rotate through a batch, so every step sees every task
@@ -160,7 +161,7 @@ PRESETS = {
 }
 SMOKE = dict(steps=30, static_steps=30, eval_per_task=8, eval_batch=8, curve_points=3)  # --smoke: a quick look
 FIXED = ("suite", "model", "eval_seq_lens")   # a preset's identity, not a knob
-CHOICES = dict(router=("mlp", "ranked"), ranking=("static",), loss=("tokens", "balanced"),
+CHOICES = dict(router=("mlp", "ranked"), ranking=("static",), count_readout=("trained", "probe"), loss=("tokens", "balanced"),
                gate=elastic_attention.GATES, deploy=elastic_attention.DEPLOYS,
                lambda_schedule=("cosine", "constant"), backend=elastic_attention.BACKENDS)
 CALIB = 5_000_000  # batch indices of the calibration prompts: far beyond any training step
@@ -256,6 +257,9 @@ def settings_from(args):
         fail(f"--ranking static fixes the ranking of --router ranked (got {P['router']})")
     if P["prepass_layers"] and P["router"] != "ranked":
         fail(f"--prepass-layers feeds the count router of --router ranked (got {P['router']})")
+    if P["count_readout"] == "probe" and not (P["prepass_layers"] and P["router_norm"]):
+        fail("--count-readout probe fits a direction of the whitened pre-pass: it needs --prepass-layers N > 0 and "
+             f"--router-norm true (got {P['prepass_layers']}, {P['router_norm']})")
     if P["deploy"] == "global" and P["router"] != "ranked":
         fail(f"--deploy global ranks every layer's heads at once, which needs --router ranked (got {P['router']})")
 
@@ -591,6 +595,7 @@ def router_settings(run, model, targets):
                 router_init=P["router_init"], consistency=P["consistency"], clip=P["clip"],
                 loss=P["loss"], router_norm=P["router_norm"], router=P["router"],
                 rank_lr=P["rank_lr"] if P["router"] == "ranked" else None, ranking=P["ranking"],
+                count_readout=P["count_readout"],
                 haystack=P["haystack"] if P["suite"] == "smollm2" else None,
                 extra_families=P["extra_families"] if P["suite"] == "smollm2" else None,
                 decoy_share=P["decoy_share"] if P["suite"] == "smollm2" else None,
@@ -885,15 +890,17 @@ def stop_if_interrupted(run, interrupted, save, static, path, done):
 def fit_router_inputs(run, model):
     """Each router's input standardisation from the dense backbone's pooled keys on calibration
     prompts of every task (router.fit_input_norm); for the count router on the pre-pass, its
-    whitening from the pre-pass's residual stream (router.fit_whitening)."""
+    whitening from the pre-pass's residual stream (router.fit_whitening), and with --count-readout
+    probe the one direction it reads (router.fit_readout_direction)."""
     cfg = model.cfg
     full_mode = HEAD_CONFIGS[cfg.head_config][0]
-    pooled = [[] for _ in model.layers]
+    pooled, sensitive = [[] for _ in model.layers], []
     for t in run.suite.tasks:
         for i in range(run.n_batches("calib")):
             b = run.held_out(t.name, i, split="calib")
             if cfg.prepass_layers:   # the count router's input: one vector per prompt
                 pooled[0].append(model.prepass(b["tokens"], b["prompt_lengths"])[0][:, None].float())  # (B, 1, C)
+                sensitive += [float(t.category == "sensitive")] * b["tokens"].shape[0]
                 continue
             modes = torch.full((cfg.n_layers, b["tokens"].shape[0], cfg.n_kv_heads), full_mode, dtype=torch.int32,
                                device=run.device)
@@ -905,6 +912,8 @@ def fit_router_inputs(run, model):
     if model.shift_router is not None:  # ranked: only the count router reads them
         if cfg.prepass_layers:
             router_lib.fit_whitening(model.shift_router, torch.cat(pooled[0])[:, 0])
+            if run.P["count_readout"] == "probe":
+                router_lib.fit_readout_direction(model.shift_router, torch.cat(pooled[0])[:, 0], torch.tensor(sensitive))
         else:
             router_lib.fit_input_norm(model.shift_router, torch.cat(pooled[0]))
         return

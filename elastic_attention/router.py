@@ -379,6 +379,43 @@ def fit_whitening(router, x):
     router.whiten.copy_(w / sd[:, None])
 
 
+def fit_logistic(x, y, l2=1e-2, steps=200):
+    """Logistic regression by L-BFGS: x (N, F), y (N,) in {0, 1} → (w (F,), b ()) minimising the mean
+    log loss + l2·|w|²."""
+    x, y = x.float(), y.float()
+    w = torch.zeros(x.shape[1], device=x.device, requires_grad=True)
+    b = torch.zeros((), device=x.device, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(x @ w + b, y) + l2 * (w ** 2).sum()
+        loss.backward()
+        return loss
+    with torch.enable_grad():
+        opt.step(closure)
+    return w.detach(), b.detach()
+
+
+@torch.no_grad()
+def fit_readout_direction(router, x, sensitive, gain=0.5):
+    """Fix a whitened CountRouter (fit_whitening first) to read one direction of its input: a
+    logistic probe of the category on the whitened calibration inputs x (N, C), sensitive (N,) 1 or 0.
+    The probe's score, centred and scaled to unit sd over x, is folded into `whiten` as its first
+    column, so the readout's first weight is a gain and its bias an offset, and those two train: no
+    other input reaches the readout. shift = gain · score + bias: a sensitive prompt scores high,
+    more heads go FULL. Why: METHOD.md §4."""
+    W = router.whiten.double().cpu()
+    z = (x.double().cpu() - router.in_shift.double().cpu()) @ W              # (N, C) whitened
+    u = fit_logistic(z, sensitive.cpu())[0].double()
+    score = z @ u                                                             # (N,)
+    router.whiten.zero_()
+    router.whiten[:, 0] = (W @ u / score.std().clamp(min=1e-12)).to(router.whiten)
+    router.readout.weight.zero_()
+    router.readout.weight[0, 0] = gain
+    router.readout.bias.fill_(-gain * float(score.mean() / score.std().clamp(min=1e-12)))
+
+
 class StaticGate(nn.Module):
     """The trained static baseline (DuoAttention / PruLong): one learned log α per KV head, the same
     for every input. It has AttentionRouter's interface, so it trains through the same gate,

@@ -81,18 +81,8 @@ def fit_probe(x, y, steps=200, l2=1e-2, whiten=False):
     else:
         mu, sd = x.mean(0), x.std(0).clamp(min=1e-6)
         transform = lambda t: (t - mu) / sd
-    z = transform(x)
-    w = torch.zeros(x.shape[1], requires_grad=True)
-    b = torch.zeros((), requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], max_iter=steps, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ w + b, y) + l2 * (w ** 2).sum()
-        loss.backward()
-        return loss
-    opt.step(closure)
-    return lambda x2: (transform(x2) @ w + b).detach()
+    w, b = router_lib.fit_logistic(transform(x), y, l2, steps)
+    return lambda x2: transform(x2) @ w + b
 
 
 def collect(model, tokenizer, names, n, seq_len, seed, condition=None, dev=False):

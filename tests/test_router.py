@@ -316,6 +316,33 @@ def test_fit_whitening_decorrelates_the_count_routers_input():
         fit_whitening(r, x[:1].float())
 
 
+
+def test_fit_readout_direction_reads_one_probe_direction():
+    """fit_readout_direction: after it the count router's log α is gain · s + bias, where s is a
+    logistic probe's score of the whitened input, standardised over the calibration inputs (mean 0,
+    sd 1), higher for the sensitive ones; only the readout's gain (weight[0]) and bias receive a
+    gradient. On two classes that differ along one direction among large nuisance ones, the score
+    separates them and ignores the nuisance."""
+    from elastic_attention.router import CountRouter, fit_whitening, fit_readout_direction
+    g = torch.Generator().manual_seed(0)
+    C, N = 8, 600
+    sensitive = (torch.arange(N) % 2).double()
+    x = 5.0 * torch.randn(N, C, generator=g, dtype=torch.float64)          # nuisance: large, in every direction
+    x[:, 3] = x[:, 3] / 5.0 + 4.0 * sensitive                              # the class shows in one small direction
+    r = CountRouter(C)
+    with torch.no_grad():
+        fit_whitening(r, x.float())
+        fit_readout_direction(r, x.float(), sensitive, gain=0.7)
+        s = r.logits(x[:, None].float())[:, 0].double()
+    assert abs(s.mean()) < 1e-4 and abs(s.std() - 0.7) < 1e-3              # gain · (unit-sd, centred score)
+    lo, hi = s[sensitive == 0], s[sensitive == 1]
+    assert (hi.mean() - lo.mean()) / s.std() > 1.5                          # sensitive scores high
+    assert (lo[:, None] < hi[None]).double().mean() > 0.97                  # the per-input AUC
+    assert torch.equal(r.whiten[:, 1:], torch.zeros(C, C - 1))              # one column reaches the readout
+    r.logits(x[:, None].float()).sum().backward()
+    grad = r.readout.weight.grad[0]
+    assert grad[0] != 0 and torch.equal(grad[1:], torch.zeros(C - 1)) and r.readout.bias.grad is not None
+
 @FAST
 @given(keys_and_lengths())
 def test_router_ignores_middle_tokens_and_padding(kl):

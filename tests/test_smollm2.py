@@ -923,7 +923,7 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     """train_router's smollm2 path, every stage down to the report and the decoded answers, on the
     tiny model and Python's own prose (no download): what a GPU run does, cut down to seconds. With
     the opt-in training data too (an extra family, decoy wordings), which routing alone must rebuild
-    from router.pt."""
+    from router.pt, and a count router that reads one fitted direction (--count-readout probe)."""
     import train_router
     monkeypatch.setattr(smollm2, "verify_gguf", lambda path: path)   # the tiny file, not the pinned one
     shapes, train_step = [], train_router.train_step   # each training batch's token shape
@@ -935,8 +935,8 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
                        "--seq-len", "896", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
                        "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2",
                        "--prepass-layers", "1", "--out", str(out),
-                       *(["--extra-families", ",".join(extra), "--decoy-share", str(decoy_share), "--more-questions"]
-                         if extra else [])])
+                       *(["--extra-families", ",".join(extra), "--decoy-share", str(decoy_share), "--more-questions",
+                          "--count-readout", "probe"] if extra else [])])
     # the ranking, the routers, the static gates: 2 steps each, padded to one shape (StepGraph records once)
     assert shapes == [(8, 896)] * 6, shapes
     res = json.loads((out / "results.json").read_text())
@@ -952,6 +952,9 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     assert "keyword" in res["results"] and res["keywords"]
     assert res["evaluation_batches"]["done"] == res["evaluation_batches"]["planned"]   # the bars end full
     assert res["settings"]["decoy_share"] == decoy_share and res["settings"]["more_questions"] == bool(extra)
+    assert res["settings"]["count_readout"] == ("probe" if extra else "trained")
+    whiten = torch.load(out / "router.pt", map_location="cpu", weights_only=False)["shift_router"]["whiten"]
+    assert bool((whiten[:, 1:] == 0).all()) == bool(extra)   # probe: one column reaches the readout
     assert res["settings"]["config"]["prepass_layers"] == 1 and res["held_out_tasks"] == {
         "place": "sensitive", "recent_name": "robust"}
     # Routing alone (python -m elastic_lab.probe --routers): the Ω the run's evaluation gave every input
