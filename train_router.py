@@ -161,8 +161,8 @@ PRESETS = {
 }
 SMOKE = dict(steps=30, static_steps=30, eval_per_task=8, eval_batch=8, curve_points=3)  # --smoke: a quick look
 FIXED = ("suite", "model", "eval_seq_lens")   # a preset's identity, not a knob
-CHOICES = dict(router=("mlp", "ranked"), ranking=("static",), count_readout=("trained", "probe"), loss=("tokens", "balanced"),
-               gate=elastic_attention.GATES, deploy=elastic_attention.DEPLOYS,
+CHOICES = dict(router=("mlp", "ranked"), ranking=("static",), count_readout=("trained", "probe"),
+               loss=("tokens", "balanced"), gate=elastic_attention.GATES, deploy=elastic_attention.DEPLOYS,
                lambda_schedule=("cosine", "constant"), backend=elastic_attention.BACKENDS)
 CALIB = 5_000_000  # batch indices of the calibration prompts: far beyond any training step
 ANSWER_ROOM = 64  # positions past the longest input: decoded answers (decoded_answers) grow a prompt by 24

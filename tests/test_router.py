@@ -316,7 +316,6 @@ def test_fit_whitening_decorrelates_the_count_routers_input():
         fit_whitening(r, x[:1].float())
 
 
-
 def test_fit_readout_direction_reads_one_probe_direction():
     """fit_readout_direction: after it the count router's log α is gain · s + bias, where s is a
     logistic probe's score of the whitened input, standardised over the calibration inputs (mean 0,
@@ -342,6 +341,7 @@ def test_fit_readout_direction_reads_one_probe_direction():
     r.logits(x[:, None].float()).sum().backward()
     grad = r.readout.weight.grad[0]
     assert grad[0] != 0 and torch.equal(grad[1:], torch.zeros(C - 1)) and r.readout.bias.grad is not None
+
 
 @FAST
 @given(keys_and_lengths())
