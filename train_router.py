@@ -664,6 +664,7 @@ def resume_from(run, path, settings, static, steps, state):
     # --steps may grow (the schedule is re-planned for the new total), the static stage runs afresh
     # after the routers, and --deploy may differ; nothing else may change, backbone and tasks included.
     saved = dict(ckpt["settings"], static=ckpt["static"], steps=run.P["steps"], static_steps=run.P["static_steps"])
+    saved.setdefault("count_readout", "trained")   # a router.pt from before the setting had that readout
     diff = []
     for k, v in dict(settings, static=static).items():
         if k == "config" and isinstance(saved.get(k), dict):  # name the field, not the whole config

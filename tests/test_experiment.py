@@ -385,14 +385,21 @@ def test_deploy_rule_reaches_the_model_config(argv, deploy):
 
 def test_resume_refuses_other_settings(quick_run, tmp_path):
     """--resume with other targets / learning rates / gate / calibration size would silently keep the
-    saved ones (with --targets auto the calibration size sets the sensitive target)."""
+    saved ones (with --targets auto the calibration size sets the sensitive target). A router.pt saved
+    before count_readout existed resumes: its readout was the trained one."""
     out, _ = quick_run
     changes = (("--targets", "0.5,1.0"), ("--router-lr", "1e-3"), ("--lambda-lr", "1e-3"),
                ("--lambda-schedule", "constant"), ("--gate", "gumbel"), ("--calib-per-task", "2"))
+    old = torch.load(out / "router.pt", map_location="cpu", weights_only=False)   # as saved before --count-readout
+    del old["settings"]["count_readout"]
+    torch.save(old, tmp_path / "old_router.pt")
     procs = run_script_many([["--backbone", str(out / "backbone.pt"), "--resume", str(out / "router.pt"), *QUICK[2:],
-                              flag, value, "--out", str(tmp_path / flag[2:])] for flag, value in changes])
+                              flag, value, "--out", str(tmp_path / flag[2:])] for flag, value in changes]
+                            + [["--backbone", str(out / "backbone.pt"), "--resume", str(tmp_path / "old_router.pt"),
+                                *QUICK[2:], "--out", str(tmp_path / "old")]])
     for (flag, value), proc in zip(changes, procs):
         assert proc.returncode != 0 and "was trained with other settings" in proc.stderr, (flag, proc.stderr[-1500:])
+    assert procs[-1].returncode == 0, procs[-1].stderr[-1500:]   # a setting it predates takes the one it had
 
 
 def test_resume_refuses_other_backbones_lengths_and_files(quick_run, pickle_payload, tmp_path):
