@@ -108,6 +108,8 @@ SETTINGS = dict(
     loss="tokens",            # the LM loss over answer tokens; "balanced": every task weighs alike
     gate="hard-concrete",     # the training gate (METHOD.md §5); "gumbel": the paper's Gumbel-softmax
     deploy="threshold",       # evaluation: FULL iff log α > 0; "count", "global" (ranked): the training share, by rank
+    fail_safe=0.0,            # ranked, deployed: prompts less robust-looking than all but this share of the robust
+                              # calibration prompts get at least the sensitive ones' median count (0: off; METHOD.md §4)
     # the sparsity objective (paper §3.3)
     targets=(router_lib.SENSITIVE_TARGET, router_lib.ROBUST_TARGET),   # Ω_MSR per category; sensitive may be "auto"
     lambda_lr=1e-2,           # λ's ascent: Adam moves a multiplier at most ~lr per step
@@ -260,6 +262,10 @@ def settings_from(args):
     if P["count_readout"] == "probe" and not (P["prepass_layers"] and P["router_norm"]):
         fail("--count-readout probe fits a direction of the whitened pre-pass: it needs --prepass-layers N > 0 and "
              f"--router-norm true (got {P['prepass_layers']}, {P['router_norm']})")
+    if not 0 <= P["fail_safe"] < 1:
+        fail(f"--fail-safe is a share of the robust calibration prompts, in [0, 1), got {P['fail_safe']}")
+    if P["fail_safe"] and P["router"] != "ranked":
+        fail(f"--fail-safe moves the count of --router ranked (got {P['router']})")
     if P["deploy"] == "global" and P["router"] != "ranked":
         fail(f"--deploy global ranks every layer's heads at once, which needs --router ranked (got {P['router']})")
 
@@ -923,6 +929,29 @@ def fit_router_inputs(run, model):
 
 
 @torch.no_grad()
+def deploy_fail_safe(run, model, path=None):
+    """Fit the trained ranked routers' fail-safe (router.fit_fail_safe) on the calibration prompts,
+    set it on the model, add it to the router checkpoint at `path`, and return it."""
+    model.eval()
+    shifts, sensitive = [], []
+    for t in run.suite.tasks:
+        for i in range(run.n_batches("calib")):
+            b = run.held_out(t.name, i, split="calib")
+            x = None if model.cfg.prepass_layers else model.embed_tokens(b["tokens"])   # layer 0's keys need it
+            shifts.append(model.input_shift(b["tokens"], x, b["prompt_lengths"])[0].float().cpu())
+            sensitive += [t.category == "sensitive"] * len(shifts[-1])
+    model.fail_safe = router_lib.fit_fail_safe(torch.cat(shifts), torch.tensor(sensitive), run.P["fail_safe"])
+    run.log(f"fail-safe: a prompt whose log α shift is above {model.fail_safe[0]:.3f} (as at most "
+            f"{run.P['fail_safe']:.0%} of the robust calibration prompts' are) gets at least {model.fail_safe[1]:.3f} "
+            "(the sensitive ones' median)")
+    if path and run.main:
+        ckpt = elastic_attention.read_checkpoint(path, keys=ROUTER_CHECKPOINT_KEYS)
+        ckpt["fail_safe"] = model.fail_safe
+        elastic_attention.write_atomic(path, lambda f: torch.save(ckpt, f))
+    return model.fail_safe
+
+
+@torch.no_grad()
 def retrieval_scores(run, model):
     """(L, Hkv) retrieval score of every head (paper App. C): backbone attention mass from the row
     that predicts the first answer token onto the evidence tokens, over calibration inputs of the
@@ -1316,8 +1345,11 @@ def main(argv=None):
                                     os.path.join(out_dir, "router.pt"), resume=args.resume, ranking=ranking)
     rank_diff = {"routers": replica_difference(run, params)} if run.parallel else {}
     same_backbone = same_on_every_rank(run, settings["backbone_sha256"]) if run.parallel else None
+    if P["fail_safe"]:
+        calibration["fail_safe"] = deploy_fail_safe(run, model, os.path.join(out_dir, "router.pt"))
     if run.main:
-        elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings)
+        elastic_attention.save_checkpoint(os.path.join(out_dir, "model.pt"), model, settings=settings,
+                                          fail_safe=model.fail_safe)
     gate_share = check_gate_share(run, train_log)
     done = []
     progress(run, "evaluate", plan[0])                                     # 4. evaluate

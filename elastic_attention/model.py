@@ -475,6 +475,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         self.shift_router = None  # ranked routers only (attach_routers)
+        self.fail_safe = None     # ranked routers, deployed: (above, floor) of router.fail_safe, or None
 
     def _init_weights(self, m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -503,7 +504,7 @@ class Transformer(nn.Module):
                 router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens, c.pool_skip, init_logit)
             layer.self_attn.router = r.to(device)
             params += list(r.parameters())
-        self.shift_router = None
+        self.shift_router, self.fail_safe = None, None
         if ranked:  # it reads the pre-pass's residual stream (C, one "head"), or layer 0's keys (D per KV head)
             self.shift_router = (router_lib.CountRouter(c.dim) if c.prepass_layers else
                                  router_lib.AttentionRouter(c.head_dim, c.router_hidden_mult, c.pool_tokens,
@@ -651,13 +652,9 @@ class Transformer(nn.Module):
         r = Routing(routed, modes, z, gate_noise, lengths, prompt_lengths, rows_at,
                     debt=torch.zeros(B, device=idx.device) if routed else None)
         if routed and self.shift_router is not None:  # ranked routers: one log α shift per input
-            if self.cfg.prepass_layers:   # from the pre-pass's residual stream
-                h, r.prepass_len = self.prepass(idx, prompt_lengths)                        # (B, C), (B,)
-                r.shift = self.shift_router.logits(h[:, None]).squeeze(1)                    # (B,)
-            else:                         # from layer 0's keys
-                first = self.layers[0]
-                k_pre = first.self_attn.router_keys(first.input_layernorm(x))                # (B, Hkv, S, D)
-                r.shift = self.shift_router(k_pre, prompt_lengths, check=False).mean(1)      # (B,)
+            r.shift, r.prepass_len = self.input_shift(idx, x, prompt_lengths)
+            if not self.training and self.fail_safe is not None:
+                r.shift = router_lib.fail_safe(r.shift, *self.fail_safe)
         if routed and not self.training and self.cfg.deploy == "global":
             if r.shift is None:
                 raise ValueError('deploy="global" needs ranked routers (attach_routers(ranked=True)): other '
@@ -667,6 +664,16 @@ class Transformer(nn.Module):
             chosen = router_lib.count_gate(everyone.flatten(1), torch.zeros(B, device=idx.device), check=False)
             r.deployed = chosen.view_as(everyone).unbind(1)                                     # L × (B, Hkv)
         return r
+
+    def input_shift(self, idx, x, prompt_lengths):
+        """Ranked routers: each input's log α shift (B,) and its pre-pass length (B,) (None without a
+        pre-pass), from the pre-pass's residual stream, or from layer 0's keys (x: the embeddings)."""
+        if self.cfg.prepass_layers:
+            h, prepass_len = self.prepass(idx, prompt_lengths)                               # (B, C), (B,)
+            return self.shift_router.logits(h[:, None]).squeeze(1), prepass_len              # (B,)
+        first = self.layers[0]
+        k_pre = first.self_attn.router_keys(first.input_layernorm(x))                        # (B, Hkv, S, D)
+        return self.shift_router(k_pre, prompt_lengths, check=False).mean(1), None           # (B,)
 
     @torch.no_grad()
     def prepass(self, idx, prompt_lengths):
@@ -968,4 +975,5 @@ def load_checkpoint(path, cfg=None, map_location="cpu"):
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:   # its weights do not fit its own config: written by other code
         raise ValueError(f"checkpoint {path!r}: the weights do not fit the saved config: {e}") from None
+    model.fail_safe = router_lib.check_fail_safe(ckpt.get("fail_safe"), f"checkpoint {path!r}")
     return model, ckpt

@@ -416,6 +416,44 @@ def fit_readout_direction(router, x, sensitive, gain=0.5):
     router.readout.bias.fill_(-gain * float(score.mean() / score.std().clamp(min=1e-12)))
 
 
+# --- Fail-safe deployment (ranked routers) ----------------------------------------------------
+#
+# A count router places a prompt it has not seen by how much it resembles the prompts it trained on,
+# and a sensitive prompt in a new wording tends to land between the two categories, where a count
+# that interpolates sends it halfway to sparse. Deployed with a fail-safe, only a prompt that looks
+# as robust as the robust calibration prompts do keeps its own count; any other gets at least the
+# sensitive prompts' typical one (METHOD.md §4).
+
+
+def fit_fail_safe(shift, sensitive, share):
+    """(above, floor) from the shifts (N,) a ranked router gives calibration prompts and their
+    categories (N,) 1 = sensitive: `above` is the robust prompts' (1 − share)-quantile, rounded up to one
+    of their shifts (at most `share` of them lie above it), `floor` the sensitive prompts' median.
+    Shifts grow toward FULL."""
+    if not 0 < share < 1:
+        raise ValueError(f"fail-safe share must be in (0, 1), got {share}")
+    shift, sensitive = shift.double().flatten(), torch.as_tensor(sensitive).flatten().bool()
+    if shift.shape != sensitive.shape or sensitive.all() or not sensitive.any() or shift.isnan().any():
+        raise ValueError(f"fit_fail_safe needs finite shifts of both categories, got {tuple(shift.shape)} shifts "
+                         f"and {int(sensitive.sum())} sensitive of {sensitive.numel()}")
+    return float(shift[~sensitive].quantile(1 - share, interpolation="higher")), float(shift[sensitive].median())
+
+
+def fail_safe(shift, above, floor):
+    """shift (B,) → shift (B,): any input above `above` gets at least `floor` (fit_fail_safe)."""
+    return torch.where(shift > above, shift.clamp(min=floor), shift)
+
+
+def check_fail_safe(value, where):
+    """A saved fail-safe as a tuple (above, floor) of finite floats, or None; else a ValueError."""
+    if value is None:
+        return None
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, float) and math.isfinite(v) for v in value)):
+        raise ValueError(f"{where}: fail_safe must be two finite floats (above, floor) or None, got {value!r}")
+    return tuple(value)
+
+
 class StaticGate(nn.Module):
     """The trained static baseline (DuoAttention / PruLong): one learned log α per KV head, the same
     for every input. It has AttentionRouter's interface, so it trains through the same gate,

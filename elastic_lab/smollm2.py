@@ -1589,6 +1589,7 @@ def read_routers(path, n_layers=30, head_dim=64, n_kv_heads=3, dim=576):
         raise ValueError(f"{path!r} holds routers of another model ({len(ckpt['routers'])} layers, head dim "
                          f"{saved.get('head_dim', '?')}): this one needs {n_layers} layers, head dim {head_dim}"
                          f"{f', {n_kv_heads} KV heads' if ckpt.get('shift_router') is not None else ''}")
+    router_lib.check_fail_safe(ckpt.get("fail_safe"), repr(path))
     return ckpt
 
 
@@ -1600,6 +1601,7 @@ def load_routers(model, ckpt):
         layer.self_attn.router.load_state_dict(state)
     if model.shift_router is not None:
         model.shift_router.load_state_dict(ckpt["shift_router"])
+    model.fail_safe = router_lib.check_fail_safe(ckpt.get("fail_safe"), "router checkpoint")
     return model
 
 

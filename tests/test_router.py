@@ -344,6 +344,46 @@ def test_fit_readout_direction_reads_one_probe_direction():
 
 
 @FAST
+@given(st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=40),
+       st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=40), st.floats(0.01, 0.99),
+       st.lists(st.floats(-30, 30, width=32), min_size=1, max_size=40))
+def test_fail_safe_sends_what_is_not_placed_as_robust_to_the_dense_side(robust, sensitive, share, prompts):
+    """fit_fail_safe and fail_safe: `above` is a robust calibration shift with at most `share` of them
+    above it, `floor` is the sensitive ones' median. Deployed, a prompt at or below `above` keeps its
+    shift; any other gets at least the floor. The map never lowers a shift (never sparser) and keeps
+    the prompts' order."""
+    from elastic_attention.router import fail_safe, fit_fail_safe
+    shifts = torch.tensor(robust + sensitive)
+    above, floor = fit_fail_safe(shifts, torch.tensor([0] * len(robust) + [1] * len(sensitive)), share)
+    r = torch.tensor(robust, dtype=torch.float64)
+    assert above in r.tolist() and (r > above).double().mean() <= share + 1e-9
+    assert floor == float(torch.tensor(sensitive, dtype=torch.float64).median())
+    x = torch.tensor(prompts)
+    y = fail_safe(x, above, floor)
+    placed = x <= above
+    assert torch.equal(y[placed], x[placed]) and torch.equal(y[~placed], x[~placed].clamp(min=floor))
+    assert (y >= x).all()
+    order = x.argsort()
+    assert (y[order].diff() >= 0).all()
+
+
+def test_fit_fail_safe_refuses_what_it_cannot_fit():
+    from elastic_attention.router import check_fail_safe, fit_fail_safe
+    x, cats = torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0, 1, 1])
+    for share in (0.0, 1.0, float("nan"), -0.5):
+        with pytest.raises(ValueError, match=f"fail-safe share must be in \\(0, 1\\), got {share}"):
+            fit_fail_safe(x, cats, share)
+    with pytest.raises(ValueError, match="needs finite shifts of both categories, got \\(3,\\) shifts and 3 sensitive"):
+        fit_fail_safe(x, torch.ones(3), 0.1)
+    with pytest.raises(ValueError, match="needs finite shifts"):
+        fit_fail_safe(torch.tensor([0.0, float("nan"), 1.0]), cats, 0.1)
+    assert check_fail_safe(None, "here") is None and check_fail_safe([1.0, 2.0], "here") == (1.0, 2.0)
+    for bad in ((1.0,), (1.0, float("inf")), ("1", 2.0), 3.0):
+        with pytest.raises(ValueError, match="here: fail_safe must be two finite floats"):
+            check_fail_safe(bad, "here")
+
+
+@FAST
 @given(keys_and_lengths())
 def test_router_ignores_middle_tokens_and_padding(kl):
     k, lengths = kl

@@ -936,7 +936,7 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
                        "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2",
                        "--prepass-layers", "1", "--out", str(out),
                        *(["--extra-families", ",".join(extra), "--decoy-share", str(decoy_share), "--more-questions",
-                          "--count-readout", "probe"] if extra else [])])
+                          "--count-readout", "probe", "--fail-safe", "0.25"] if extra else [])])
     # the ranking, the routers, the static gates: 2 steps each, padded to one shape (StepGraph records once)
     assert shapes == [(8, 896)] * 6, shapes
     res = json.loads((out / "results.json").read_text())
@@ -955,6 +955,10 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     assert res["settings"]["count_readout"] == ("probe" if extra else "trained")
     whiten = torch.load(out / "router.pt", map_location="cpu", weights_only=False)["shift_router"]["whiten"]
     assert bool((whiten[:, 1:] == 0).all()) == bool(extra)   # probe: one column reaches the readout
+    # --fail-safe: fitted on calibration prompts after training, saved with the routers and the model
+    saved = [torch.load(out / f, map_location="cpu", weights_only=False).get("fail_safe") for f in ("router.pt",
+                                                                                                  "model.pt")]
+    assert saved == [tuple(res["calibration"]["fail_safe"])] * 2 if extra else saved == [None] * 2
     assert res["settings"]["config"]["prepass_layers"] == 1 and res["held_out_tasks"] == {
         "place": "sensitive", "recent_name": "robust"}
     # Routing alone (python -m elastic_lab.probe --routers): the Ω the run's evaluation gave every input
@@ -987,8 +991,26 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
         assert {t: [round(w, 4) for w in ws] for t, ws in routes[condition].items()} == {
             t: v["omegas"] for t, v in ran.items()}, condition
     assert len({w for ws in routes["decoys"].values() for w in ws}) > 2, routes["decoys"]
+    # The fail-safe: inputs whose shift is above `above` run at least as densely as at `floor`, the rest as before
+    with torch.no_grad():
+        model.fail_safe = None
+        shift, deployed = [], []
+        for safe in (None, (float(shift_of(model, b).median()), float(shift_of(model, b).max()) + 2)):
+            model.fail_safe = safe
+            r = model.routing(b["tokens"], None, None, None, None, None, b["prompt_lengths"], None, True)
+            shift.append(r.shift)
+            deployed.append(1 - torch.stack(r.deployed).float().mean((0, 2)))   # Ω_MSR per input
+    moved = shift[0] > safe[0]
+    assert moved.any() and not moved.all()
+    assert torch.equal(shift[1][~moved], shift[0][~moved]) and (shift[1][moved] == safe[1]).all()
+    assert torch.equal(deployed[1][~moved], deployed[0][~moved]) and (deployed[1][moved] < deployed[0][moved]).all()
     dev = probe.route_held_out(run, model, ["decoys"], dev=True)["decoys"]   # the development twins: other prompts
     assert set(dev) == set(routes["decoys"]) and dev != routes["decoys"]
+
+
+def shift_of(model, b):
+    """Ranked routers' log α shift (B,) for a batch, without a fail-safe."""
+    return model.input_shift(b["tokens"], None, b["prompt_lengths"])[0]
 
 
 @pytest.mark.parametrize("extra", [(), ("recent_date",)])
