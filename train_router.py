@@ -109,7 +109,7 @@ SETTINGS = dict(
     gate="hard-concrete",     # the training gate (METHOD.md §5); "gumbel": the paper's Gumbel-softmax
     deploy="threshold",       # evaluation: FULL iff log α > 0; "count", "global" (ranked): the training share, by rank
     fail_safe=0.0,            # ranked, deployed: prompts less robust-looking than all but this share of the robust
-                              # calibration prompts get at least the sensitive ones' median count (0: off; METHOD.md §4)
+                              # calibration prompts get at least the sensitive ones' median count (0: off; METHOD.md §7)
     # the sparsity objective (paper §3.3)
     targets=(router_lib.SENSITIVE_TARGET, router_lib.ROBUST_TARGET),   # Ω_MSR per category; sensitive may be "auto"
     lambda_lr=1e-2,           # λ's ascent: Adam moves a multiplier at most ~lr per step

@@ -422,7 +422,7 @@ def fit_readout_direction(router, x, sensitive, gain=0.5):
 # and a sensitive prompt in a new wording tends to land between the two categories, where a count
 # that interpolates sends it halfway to sparse. Deployed with a fail-safe, only a prompt that looks
 # as robust as the robust calibration prompts do keeps its own count; any other gets at least the
-# sensitive prompts' typical one (METHOD.md §4).
+# sensitive prompts' typical one (METHOD.md §7).
 
 
 def fit_fail_safe(shift, sensitive, share):
