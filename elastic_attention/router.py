@@ -420,23 +420,25 @@ def fit_readout_direction(router, x, sensitive, gain=0.5):
 #
 # A count router places a prompt it has not seen by how much it resembles the prompts it trained on,
 # and a sensitive prompt in a new wording tends to land between the two categories, where a count
-# that interpolates sends it halfway to sparse. Deployed with a fail-safe, only a prompt that looks
-# as robust as the robust calibration prompts do keeps its own count; any other gets at least the
-# sensitive prompts' typical one (METHOD.md §7).
+# that interpolates sends it halfway to sparse. Deployed with a fail-safe, only a prompt placed on the
+# robust side of a threshold between the categories keeps its own count; any other gets at least the
+# sensitive prompts' typical one (METHOD.md §7). The threshold rests on the two categories' medians:
+# the tail of a few dozen calibration prompts moves with their text, the medians hardly do.
 
 
-def fit_fail_safe(shift, sensitive, share):
+def fit_fail_safe(shift, sensitive, at):
     """(above, floor) from the shifts (N,) a ranked router gives calibration prompts and their
-    categories (N,) 1 = sensitive: `above` is the robust prompts' (1 − share)-quantile, rounded up to one
-    of their shifts (at most `share` of them lie above it), `floor` the sensitive prompts' median.
-    Shifts grow toward FULL."""
-    if not 0 < share < 1:
-        raise ValueError(f"fail-safe share must be in (0, 1), got {share}")
+    categories (N,) 1 = sensitive: `above` lies the fraction `at` of the way from the robust prompts'
+    median shift to the sensitive prompts', `floor` is the sensitive prompts' median. Shifts grow
+    toward FULL."""
+    if not 0 < at < 1:
+        raise ValueError(f"fail-safe threshold must lie strictly between the medians, in (0, 1), got {at}")
     shift, sensitive = shift.double().flatten(), torch.as_tensor(sensitive).flatten().bool()
     if shift.shape != sensitive.shape or sensitive.all() or not sensitive.any() or shift.isnan().any():
         raise ValueError(f"fit_fail_safe needs finite shifts of both categories, got {tuple(shift.shape)} shifts "
                          f"and {int(sensitive.sum())} sensitive of {sensitive.numel()}")
-    return float(shift[~sensitive].quantile(1 - share, interpolation="higher")), float(shift[sensitive].median())
+    robust, floor = float(shift[~sensitive].median()), float(shift[sensitive].median())
+    return robust + at * (floor - robust), floor
 
 
 def fail_safe(shift, above, floor):

@@ -197,7 +197,7 @@ def load_run(routers, device, flags=()):
         smollm2.load_routers(model, smollm2.read_routers(routers, cfg.n_layers, cfg.head_dim, cfg.n_kv_heads, cfg.dim))
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    if run.P["fail_safe"]:   # fitted afresh: the share may differ from the run's
+    if run.P["fail_safe"]:   # fitted afresh: the point may differ from the run's
         train_router.deploy_fail_safe(run, model)
     return run, model, s
 

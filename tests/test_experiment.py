@@ -313,8 +313,8 @@ BAD_ARGUMENTS = [
     (["--decoy-share", "0.2"], "--decoy-share rewords SmolLM2 training prompts: it needs --preset smollm2"),
     (["--count-readout", "probe"], "--count-readout probe fits a direction of the whitened pre-pass: it needs"),
     (["--fail-safe", "0.1"], "--fail-safe moves the count of --router ranked (got mlp)"),
-    (["--fail-safe", "1"], "--fail-safe is a share of the robust calibration prompts, in [0, 1), got 1.0"),
-    (["--fail-safe", "nan"], "--fail-safe is a share of the robust calibration prompts, in [0, 1), got nan"),
+    (["--fail-safe", "1"], "--fail-safe is a point between the calibration medians, in [0, 1), got 1.0"),
+    (["--fail-safe", "nan"], "--fail-safe is a point between the calibration medians, in [0, 1), got nan"),
     (["--preset", "smollm2", "--seq-len", "896", "--device", "cpu", "--decoy-share", "1"],
      "--decoy-share must be in [0, 1), got 1.0"),
 ] + ([(["--device", "cuda:99"], "this machine has cuda:0 to")] if torch.cuda.is_available() else [

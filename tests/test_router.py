@@ -344,20 +344,23 @@ def test_fit_readout_direction_reads_one_probe_direction():
 
 
 @FAST
-@given(st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=40),
-       st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=40), st.floats(0.01, 0.99),
+@given(st.lists(st.floats(-20, 20, width=32), min_size=1, max_size=40),
+       st.lists(st.floats(-20, 20, width=32), min_size=1, max_size=40), st.floats(0.01, 0.99),
        st.lists(st.floats(-30, 30, width=32), min_size=1, max_size=40))
-def test_fail_safe_sends_what_is_not_placed_as_robust_to_the_dense_side(robust, sensitive, share, prompts):
-    """fit_fail_safe and fail_safe: `above` is a robust calibration shift with at most `share` of them
-    above it, `floor` is the sensitive ones' median. Deployed, a prompt at or below `above` keeps its
-    shift; any other gets at least the floor. The map never lowers a shift (never sparser) and keeps
-    the prompts' order."""
+def test_fail_safe_sends_what_is_not_placed_as_robust_to_the_dense_side(robust, sensitive, at, prompts):
+    """fit_fail_safe and fail_safe: `above` lies the fraction `at` of the way from the robust
+    calibration prompts' median shift to the sensitive ones', `floor` is the sensitive median.
+    Deployed, a prompt at or below `above` keeps its shift; any other gets at least the floor. The
+    map never lowers a shift (never sparser) and keeps the prompts' order."""
     from elastic_attention.router import fail_safe, fit_fail_safe
-    shifts = torch.tensor(robust + sensitive)
-    above, floor = fit_fail_safe(shifts, torch.tensor([0] * len(robust) + [1] * len(sensitive)), share)
-    r = torch.tensor(robust, dtype=torch.float64)
-    assert above in r.tolist() and (r > above).double().mean() <= share + 1e-9
-    assert floor == float(torch.tensor(sensitive, dtype=torch.float64).median())
+    above, floor = fit_fail_safe(torch.tensor(robust + sensitive),
+                                 torch.tensor([0] * len(robust) + [1] * len(sensitive)), at)
+    r, s = torch.tensor(robust, dtype=torch.float64), torch.tensor(sensitive, dtype=torch.float64)
+    assert floor == float(s.median())
+    # between the two medians, the fraction `at` of the way from the robust one
+    lo, hi = sorted((float(r.median()), floor))
+    assert lo - 1e-9 <= above <= hi + 1e-9
+    assert above == pytest.approx(float(r.median()) + at * (floor - float(r.median())), abs=1e-9)
     x = torch.tensor(prompts)
     y = fail_safe(x, above, floor)
     placed = x <= above
@@ -370,9 +373,10 @@ def test_fail_safe_sends_what_is_not_placed_as_robust_to_the_dense_side(robust, 
 def test_fit_fail_safe_refuses_what_it_cannot_fit():
     from elastic_attention.router import check_fail_safe, fit_fail_safe
     x, cats = torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0, 1, 1])
-    for share in (0.0, 1.0, float("nan"), -0.5):
-        with pytest.raises(ValueError, match=f"fail-safe share must be in \\(0, 1\\), got {share}"):
-            fit_fail_safe(x, cats, share)
+    for at in (0.0, 1.0, float("nan"), -0.5):
+        with pytest.raises(ValueError, match=f"fail-safe threshold must lie strictly between the medians, "
+                                             f"in \\(0, 1\\), got {at}"):
+            fit_fail_safe(x, cats, at)
     with pytest.raises(ValueError, match="needs finite shifts of both categories, got \\(3,\\) shifts and 3 sensitive"):
         fit_fail_safe(x, torch.ones(3), 0.1)
     with pytest.raises(ValueError, match="needs finite shifts"):
