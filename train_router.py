@@ -108,8 +108,8 @@ SETTINGS = dict(
     loss="tokens",            # the LM loss over answer tokens; "balanced": every task weighs alike
     gate="hard-concrete",     # the training gate (METHOD.md §5); "gumbel": the paper's Gumbel-softmax
     deploy="threshold",       # evaluation: FULL iff log α > 0; "count", "global" (ranked): the training share, by rank
-    fail_safe=0.0,            # ranked, deployed: prompts placed above this point between the robust and sensitive
-                              # calibration medians (0 → 1) get at least the sensitive median's count (0: off; METHOD.md §7)
+    fail_safe=0.0,            # ranked, deployed: prompts above this point between the robust (0) and sensitive (1)
+                              # calibration medians get at least the sensitive median's count (0: off; METHOD.md §7)
     # the sparsity objective (paper §3.3)
     targets=(router_lib.SENSITIVE_TARGET, router_lib.ROBUST_TARGET),   # Ω_MSR per category; sensitive may be "auto"
     lambda_lr=1e-2,           # λ's ascent: Adam moves a multiplier at most ~lr per step
@@ -941,8 +941,8 @@ def deploy_fail_safe(run, model, path=None):
             shifts.append(model.input_shift(b["tokens"], x, b["prompt_lengths"])[0].float().cpu())
             sensitive += [t.category == "sensitive"] * len(shifts[-1])
     model.fail_safe = router_lib.fit_fail_safe(torch.cat(shifts), torch.tensor(sensitive), run.P["fail_safe"])
-    run.log(f"fail-safe: a prompt whose log α shift is above {model.fail_safe[0]:.3f} ({run.P['fail_safe']:.0%} of the "
-            f"way from the robust calibration prompts' median to the sensitive ones') gets at least "
+    run.log(f"fail-safe: a prompt whose log α shift is above {model.fail_safe[0]:.3f} ({run.P['fail_safe']:.0%} of "
+            f"the way from the robust calibration prompts' median to the sensitive ones') gets at least "
             f"{model.fail_safe[1]:.3f} (the sensitive median)")
     if path and run.main:
         ckpt = elastic_attention.read_checkpoint(path, keys=ROUTER_CHECKPOINT_KEYS)
