@@ -361,6 +361,11 @@ def test_fail_safe_sends_what_is_not_placed_as_robust_to_the_dense_side(robust, 
     lo, hi = sorted((float(r.median()), floor))
     assert lo - 1e-9 <= above <= hi + 1e-9
     assert above == pytest.approx(float(r.median()) + at * (floor - float(r.median())), abs=1e-9)
+    if len(robust) > 1:   # the point of medians: the robust prompts' tail does not move the threshold
+        far = robust[:]
+        far[max(range(len(far)), key=far.__getitem__)] = 1e4
+        assert fit_fail_safe(torch.tensor(far + sensitive),
+                             torch.tensor([0] * len(far) + [1] * len(sensitive)), at) == (above, floor)
     x = torch.tensor(prompts)
     y = fail_safe(x, above, floor)
     placed = x <= above
