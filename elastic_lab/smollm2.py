@@ -64,7 +64,9 @@ answers). task_ids: the training families 0-6, then the held-out ones (never tra
     6 copy_last    robust     repeat the document's last sentence (scored from its second word on)
     7 place        sensitive  held out: the city a parcel was sent to (said twice), at a random depth
     8 recent_name  robust     held out: a front-desk note near the end says who has some items
-    9 recent_date  robust     extra, trained only when asked (suite(extra=...)): date's questions, the
+    9 colour       sensitive  held out: the colour someone painted a shed (said twice), at a random depth
+   10 recent_count robust     held out: a stockroom note near the end says how many of an item are left
+   11 recent_date  robust     extra, trained only when asked (suite(extra=...)): date's questions, the
                               date in an organisers' note near the end; in no test condition
 Each family has >= 16 instruction wordings split train / dev / test, decoy wordings (training-only
 ones too) and, but for continue, >= 8 question wordings (FRAMES, QUESTIONS); the instruction goes
@@ -741,6 +743,8 @@ MONTHS = ("January February March April May June July August September October N
 CITIES = ("Lisbon Oslo Dublin Vienna Prague Helsinki Nairobi Montreal Seattle Osaka Krakow Valencia "
           "Edinburgh Geneva Porto Bergen").split()
 ITEMS = ("spare keys", "visitor badges", "meeting notes", "new laptops")
+COLOURS = "teal crimson amber violet olive scarlet ivory indigo turquoise maroon beige coral lilac navy ochre".split()
+STOCK = ("folding chairs", "printer cartridges", "water bottles", "umbrellas")
 
 # The needle makers: make(rng) -> dict(needle, answer, value, fields). fields fill the {...} of the
 # family's question wordings; copy_last's answer depends on the document and is set by _build_row.
@@ -791,6 +795,19 @@ def _recent_name(rng):
                 answer=f"The {item} are with {full}.", value=full, fields=dict(item=item))
 
 
+def _colour(rng):
+    name, colour = rng.choice(NAMES), rng.choice(COLOURS)
+    # The answer repeats the needle's first sentence: after "<name>'s shed is", SmolLM2 said " now".
+    return dict(needle=f"{name} painted the garden shed {colour}. {name} painted the garden shed {colour}!",
+                answer=f"{name} painted the garden shed {colour}.", value=colour, fields=dict(name=name))
+
+
+def _recent_count(rng):
+    n, item = str(rng.randrange(12, 100)), rng.choice(STOCK)
+    return dict(needle=f"Note from the stockroom: the number of {item} left is {n}.",
+                answer=f"The number of {item} left is {n}.", value=n, fields=dict(item=item))
+
+
 def _recent_date(rng):
     date, event = f"{rng.choice(MONTHS)} {rng.randrange(1, 29)}", rng.choice(EVENTS)
     return dict(needle=f"Update from the organisers: the {event} is now scheduled for {date}.",
@@ -826,8 +843,10 @@ TASKS = [
     Task(6, "copy_last", "robust", "accuracy", _no_needle, ""),
     Task(7, "place", "sensitive", "accuracy", _place, "far", held_out=True),
     Task(8, "recent_name", "robust", "accuracy", _recent_name, "near", held_out=True),
+    Task(9, "colour", "sensitive", "accuracy", _colour, "far", held_out=True),
+    Task(10, "recent_count", "robust", "accuracy", _recent_count, "near", held_out=True),
     # date's questions about a note at the end: what tells it from date is where the answer lies
-    Task(9, "recent_date", "robust", "accuracy", _recent_date, "near", extra=True),
+    Task(11, "recent_date", "robust", "accuracy", _recent_date, "near", extra=True),
 ]
 TASK_NAMES = [t.name for t in TASKS]
 TRAIN_TASKS = [t for t in TASKS if not t.held_out and not t.extra]
@@ -844,6 +863,10 @@ assert all(not t.held_out for t in TASKS[:len(TRAIN_TASKS)])
 # "above" after it) and the fields of the family's needle maker. Written, split and frozen before
 # any measurement: "test" and "decoy_test" are the held-out test set, "dev" and "decoy_dev" are for
 # development. Only "train" wordings are ever trained on ("decoy_train" too, with decoy_share).
+# The test set is the second one: the first (2 wordings, 1 question, 2 decoys a family) had steered
+# many rounds of development, so it became the last entries of each dev list, and this one (6
+# wordings, 4 questions, 4 decoys a family; colour and recent_count held out too) was written
+# before any measurement on it.
 
 FRAME_SPLITS = ("train", "dev", "test", "decoy_train", "decoy_dev", "decoy_test")
 STYLES = ("mixed", "instructed", "before", "after", "none")
@@ -861,10 +884,15 @@ def _sensitive_decoys(thing):
                            f"answer my question about it.",
                            f"Just look at the last few lines of this text and answer my question about {thing}.",
                            f"The final lines {{below}} mention {thing}. Answer my question using just those lines.",
-                           f"only the end of this text matters, it says something about {thing}"],
-                decoy_test=[f"The text {{below}} ends with a quick remark about {thing}; answer my question "
-                            f"about that remark.",
-                            f"Read the final paragraph and tell me about {thing}."])
+                           f"only the end of this text matters, it says something about {thing}",
+                           f"The text {{below}} ends with a quick remark about {thing}; answer my question "
+                           f"about that remark.",
+                           f"Read the final paragraph and tell me about {thing}."],
+                decoy_test=[f"My question is about {thing}, mentioned in the last lines of the text {{below}}.",
+                            f"just the ending of this matters, theres something about {thing} there",
+                            f"Read this: the closing lines say something about {thing}. Use them for my question.",
+                            f"Your task: look at the end of the text {{below}}, where {thing} comes up, and answer "
+                            f"my question."])
 
 
 def _robust_decoys(thing):
@@ -882,11 +910,15 @@ def _robust_decoys(thing):
                            f"it. Keep it in mind for my question.",
                            f"There is {thing} somewhere in the text {{below}}, maybe near the start. Find it "
                            f"and remember it.",
-                           f"search this whole document for {thing} and memorise it, I'll ask later"],
-                decoy_test=[f"Hidden somewhere in the long text {{below}} is {thing}. Memorise it; I will ask "
-                            f"you for it at the end.",
-                            f"Pay close attention to every part of this text, {thing} is tucked away in it "
-                            f"somewhere. Remember it."])
+                           f"search this whole document for {thing} and memorise it, I'll ask later",
+                           f"Hidden somewhere in the long text {{below}} is {thing}. Memorise it; I will ask "
+                           f"you for it at the end.",
+                           f"Pay close attention to every part of this text, {thing} is tucked away in it "
+                           f"somewhere. Remember it."],
+                decoy_test=[f"Somewhere in the text {{below}} is {thing}. Please memorise it; I'll ask later.",
+                            f"theres {thing} hidden somewhere in this, could be anywhere, remember it",
+                            f"Read this carefully: at some point it mentions {thing}. Remember it for my question.",
+                            f"Your task: go through the whole text {{below}}, find {thing}, and remember it."])
 
 
 FRAMES = {
@@ -909,10 +941,16 @@ FRAMES = {
              "at the end.",
              "remember the pass key in this text pls",
              "Kindly identify the pass key contained in the document {below} and retain it for later reference.",
-             "Hey! Long text {below}, and there's a pass key in it somewhere. Can you hang on to it for me?"],
-        test=["Please go through the entire passage {below} and memorise the five-digit pass key hidden "
-              "within it.",
-              "hey, there's a code in this long text (a pass key). don't lose it, I'll quiz you"],
+             "Hey! Long text {below}, and there's a pass key in it somewhere. Can you hang on to it for me?",
+             "Please go through the entire passage {below} and memorise the five-digit pass key hidden "
+             "within it.",
+             "hey, there's a code in this long text (a pass key). don't lose it, I'll quiz you"],
+        test=["The passage {below} has a pass key tucked somewhere in it. Please memorise it, I'll want it back.",
+              "ok so somewhere in this big text is a pass key, a five digit number. remember it",
+              "Read this carefully: at one point it gives a pass key. Keep the number for my question.",
+              "Your task: go through the text {below}, find the numeric pass key, and remember it.",
+              "Hi! A pass key is hidden in this long article. Can you keep it in mind for me?",
+              "Note the pass key given in the document {below}."],
         **_sensitive_decoys("the pass key")),
     "fact_word": dict(
         train=["Read the document {below} carefully. Somewhere in it, a person's secret word is mentioned. "
@@ -933,10 +971,17 @@ FRAMES = {
              "One of the people in the text {below} has a secret word. Remember what it is.",
              "secret word in here, belongs to someone. keep it",
              "The document {below} discloses a secret word associated with a particular person. Please retain it.",
-             "Hi! Somewhere in this long passage someone's secret word is revealed. Could you remember it for me?"],
-        test=["Go through the whole text {below}; at some point a person's secret word is given. I'll want "
-              "it back later.",
-              "fyi this article has someone's secret word tucked inside it, keep it in mind"],
+             "Hi! Somewhere in this long passage someone's secret word is revealed. Could you remember it for me?",
+             "Go through the whole text {below}; at some point a person's secret word is given. I'll want "
+             "it back later.",
+             "fyi this article has someone's secret word tucked inside it, keep it in mind"],
+        test=["One person in the document {below} has a secret word. Please memorise it; I'll ask for it.",
+              "ok theres a secret word for someone in this text, dont forget it",
+              "Read this carefully: at one point it gives someone's secret word. Keep the word for my question.",
+              "Your task: go through the text {below}, find the sentence giving someone's secret word, and remember "
+              "the word.",
+              "Hi! A person's secret word is hidden in this long article. Can you keep it in mind for me?",
+              "Note the secret word belonging to someone in the document {below}."],
         **_sensitive_decoys("a secret word")),
     "name": dict(
         train=["Somewhere in the text {below}, someone is named to a new post. Remember who it is; I'll ask "
@@ -960,10 +1005,19 @@ FRAMES = {
              "somebody gets appointed in this text, remember who",
              "The document {below} reports the appointment of an individual to a position. Retain the "
              "individual's full name.",
-             "Hey, could you read this and remember who gets the new job? It's mentioned somewhere in the middle."],
-        test=["Please read the whole document {below}; at some point it names a person who takes on a new "
-              "role. I'll need that name.",
-              "someone gets a new title somewhere in this article, note their name for me"],
+             "Hey, could you read this and remember who gets the new job? It's mentioned somewhere in the middle.",
+             "Please read the whole document {below}; at some point it names a person who takes on a new "
+             "role. I'll need that name.",
+             "someone gets a new title somewhere in this article, note their name for me"],
+        test=["Someone is appointed to a post somewhere in the document {below}. Please memorise who.",
+              "ok someone gets appointed in this text, remember the name ill ask",
+              "Read this carefully: at one point a person is given a new position. Keep their full name for my "
+              "question.",
+              "Your task: go through the text {below}, find the announcement of a new appointment, and remember the "
+              "person's name.",
+              "Hi! Somewhere in this long article someone takes up a new post. Could you remember their name for "
+              "me?",
+              "Note the full name of whoever is appointed in the document {below}."],
         **_sensitive_decoys("a new appointment")),
     "date": dict(
         train=["A date is mentioned somewhere in the text {below}: when an event will happen. Remember it; "
@@ -982,10 +1036,16 @@ FRAMES = {
              "The document {below} mentions when an event is scheduled. Keep that date in mind for my question.",
              "event date somewhere in this, remember it",
              "The text {below} states the date of a forthcoming event. Retain the date for a later question.",
-             "Hi! Could you read this long text and remember the date of the event it mentions? I'll ask afterwards."],
-        test=["Please read the entire document {below}; at some point it tells you when an event takes "
-              "place. I'll need that date.",
-              "note the event date buried in this article, I'll quiz you"],
+             "Hi! Could you read this long text and remember the date of the event it mentions? I'll ask afterwards.",
+             "Please read the entire document {below}; at some point it tells you when an event takes "
+             "place. I'll need that date.",
+             "note the event date buried in this article, I'll quiz you"],
+        test=["An event's date appears somewhere in the document {below}. Please memorise it.",
+              "ok theres an event date in this text somewhere, remember it ill ask",
+              "Read this carefully: at one point it says when an event will be held. Keep the date for my question.",
+              "Your task: go through the text {below}, find the date set for an event, and remember it.",
+              "Hi! This long article mentions the date of an event somewhere. Could you keep it in mind for me?",
+              "Note the scheduled date of the event mentioned in the document {below}."],
         **_sensitive_decoys("an event's date")),
     "place": dict(
         train=["Somewhere in the text {below}, it says where something was sent. Remember the city; I'll ask "
@@ -1004,11 +1064,46 @@ FRAMES = {
              "The text {below} says, somewhere, which city a parcel was shipped to. Remember the city.",
              "parcel destination is in here somewhere, remember the city",
              "The document {below} records where a parcel was dispatched. Retain the destination city.",
-             "Hey! Somewhere in this long text a package gets sent to a city. Could you remember which one?"],
-        test=["Please read through the whole document {below}; somewhere it mentions where an item was "
-              "sent. I'll need the city.",
-              "theres a shipping destination tucked in this article, note the city"],
+             "Hey! Somewhere in this long text a package gets sent to a city. Could you remember which one?",
+             "Please read through the whole document {below}; somewhere it mentions where an item was "
+             "sent. I'll need the city.",
+             "theres a shipping destination tucked in this article, note the city"],
+        test=["The document {below} says somewhere where a parcel was sent. Please memorise the city.",
+              "ok a parcel gets sent somewhere in this text, remember the city ill ask",
+              "Read this carefully: at one point it says which city a parcel went to. Keep the city for my "
+              "question.",
+              "Your task: go through the text {below}, find where the parcel was shipped, and remember the city.",
+              "Hi! Somewhere in this long article a parcel is sent off to a city. Could you remember which one?",
+              "Note the destination city of the parcel mentioned in the document {below}."],
         **_sensitive_decoys("a delivery")),
+    "colour": dict(
+        train=["Somewhere in the text {below}, someone paints something. Remember the colour; I'll ask later.",
+               "There's a colour hidden in this document: what someone painted their shed. Keep it in mind.",
+               "Read all of this. One sentence says what colour a shed was painted; remember it.",
+               "a colour is buried in here (someone painted a shed). remember it",
+               "Hello! The document {below} is long, but somewhere in it somebody paints their shed. Could you "
+               "memorise the colour? I'll ask afterwards.",
+               "The following text records the colour chosen for a garden shed. Retain that colour for a later "
+               "question.",
+               "Watch for the sentence about a shed being painted and store the colour; it can appear anywhere.",
+               "I'll ask what colour someone painted their shed. The answer is in this text."],
+        dev=["Look for the colour someone painted their shed in the passage {below}, and remember it.",
+             "The colour of a newly painted shed is hidden in this text. Don't forget it.",
+             "The text {below} says, somewhere, what colour a shed was painted. Remember the colour.",
+             "shed colour is in here somewhere, remember it",
+             "The document {below} records the colour of a repainted shed. Retain the colour.",
+             "Hey! Somewhere in this long text someone paints a shed. Could you remember what colour?",
+             "Please read through the whole document {below}; somewhere it mentions a shed being painted. I'll "
+             "need the colour.",
+             "theres a paint colour tucked in this article, note it"],
+        test=["The document {below} says somewhere what colour a shed was painted. Please memorise the colour.",
+              "ok someone paints a shed somewhere in this text, remember the colour ill ask",
+              "Read this carefully: at one point it says what colour a shed was painted. Keep the colour for my "
+              "question.",
+              "Your task: go through the text {below}, find what colour the shed was painted, and remember it.",
+              "Hi! Somewhere in this long article someone paints their shed. Could you remember the colour?",
+              "Note the colour of the shed mentioned in the document {below}."],
+        **_sensitive_decoys("a painted shed")),
     "recent_fact": dict(
         train=["The text {below} has a note from a colleague near its end. Please answer my question about "
                "the note.",
@@ -1026,9 +1121,17 @@ FRAMES = {
              "There's a colleague's note right at the end of the text {below}. I'll ask about it.",
              "note at the end, answer my question about it",
              "The document {below} ends with a memo from a colleague. Answer the question regarding the memo.",
-             "Hi! My coworker added a note at the bottom of this text. Can you help me with a question about it?"],
-        test=["The last lines of the text {below} include a colleague's note; please answer based on it.",
-              "quick one: read the note at the end and answer my question"],
+             "Hi! My coworker added a note at the bottom of this text. Can you help me with a question about it?",
+             "The last lines of the text {below} include a colleague's note; please answer based on it.",
+             "quick one: read the note at the end and answer my question"],
+        test=["My colleague's note is the last thing in the text {below}. I have a question about it.",
+              "theres a note from a coworker at the bottom, answer my q about it",
+              "Read this: the final lines hold a note about a meeting. Use it for my question.",
+              "Your task: look at the colleague's note at the end of the text {below} and answer the question about "
+              "it.",
+              "Hi! This long article ends with a short note from my coworker. Could you help me with a question "
+              "about it?",
+              "Answer from the note that closes the document {below}."],
         **_robust_decoys("a note about a meeting room")),
     "recent_date": dict(
         train=["The text {below} ends with an update about an event. Answer my question about that update.",
@@ -1049,9 +1152,17 @@ FRAMES = {
              "The document {below} ends with a notice from the organisers. Answer the question regarding the "
              "notice.",
              "Hi! The organisers added an update at the bottom of this text. Can you help me with a question about "
-             "it?"],
-        test=["The last lines of the text {below} include an organisers' update; please answer based on it.",
-              "quick one: read the update at the end and answer my question"],
+             "it?",
+             "The last lines of the text {below} include an organisers' update; please answer based on it.",
+             "quick one: read the update at the end and answer my question"],
+        test=["The text {below} finishes with an update from the organisers. I have a question about it.",
+              "organisers posted an update at the bottom, answer my q",
+              "Read this: the final lines hold an update about an event. Use it for my question.",
+              "Your task: look at the organisers' update at the end of the text {below} and answer the question "
+              "about it.",
+              "Hi! This long article ends with a short update about an event. Could you help me with a question "
+              "about it?",
+              "Answer from the update that closes the document {below}."],
         **_robust_decoys("an event's date")),
     "continue": dict(
         train=["Here is a passage. Continue the text from where it stops.",
@@ -1068,9 +1179,15 @@ FRAMES = {
              "Continue the passage {below} in the same style.",
              "keep going from the end of this",
              "Please write the continuation of the document {below}, starting exactly where it stops.",
-             "Hi! This text breaks off suddenly. Could you write what comes next?"],
-        test=["Carry on writing the article {below} from the point where it ends.",
-              "go on from where this stops"],
+             "Hi! This text breaks off suddenly. Could you write what comes next?",
+             "Carry on writing the article {below} from the point where it ends.",
+             "go on from where this stops"],
+        test=["Write the next few sentences of the text {below}.",
+              "carry on from the last word of this",
+              "Read this: it breaks off in the middle. Continue it in the same voice.",
+              "Your task: extend the text {below} from exactly where it stops.",
+              "Hi! Could you keep this article going from where it ends?",
+              "Continue writing the document {below}."],
         decoy_train=["An important detail is buried somewhere in the text {below}. Find it and keep it in mind, "
                      "then continue the text.",
                      "Read all of this closely, the start included, and remember what matters; then write what comes "
@@ -1083,10 +1200,15 @@ FRAMES = {
                    "and then keep writing from where it ends.",
                    "There's a key detail hidden somewhere early in the text {below}. Remember it, then continue "
                    "the text.",
-                   "search all of this for hidden facts, memorise them, then keep writing"],
-        decoy_test=["Hidden somewhere in the long text {below} is information you'll need. Memorise it, then "
-                    "carry on writing where the text stops.",
-                    "Pay close attention to every part of this text, even the beginning, and then continue it."]),
+                   "search all of this for hidden facts, memorise them, then keep writing",
+                   "Hidden somewhere in the long text {below} is information you'll need. Memorise it, then "
+                   "carry on writing where the text stops.",
+                   "Pay close attention to every part of this text, even the beginning, and then continue it."],
+        decoy_test=["Somewhere in the text {below} is a detail you must remember; then continue the text.",
+                    "theres important stuff hidden all over this, memorise it then keep writing",
+                    "Read this carefully from the very start, keep its hidden facts in mind, then continue it.",
+                    "Your task: go through the whole document {below}, remember what is hidden in it, and carry "
+                    "on writing where it stops."]),
     "copy_last": dict(
         train=["I will ask you to repeat the last sentence of the text {below}.",
                "Read this text; I need its final sentence quoted exactly.",
@@ -1101,9 +1223,15 @@ FRAMES = {
              "Give me the last sentence of the text {below}, exactly as written.",
              "last sentence of this, word for word",
              "Please reproduce the final sentence of the document {below} verbatim.",
-             "Hi! Could you tell me exactly how this passage ends? Just its final sentence."],
-        test=["Please repeat, word for word, the sentence that the text {below} finishes with.",
-              "copy the closing line of this article"],
+             "Hi! Could you tell me exactly how this passage ends? Just its final sentence.",
+             "Please repeat, word for word, the sentence that the text {below} finishes with.",
+             "copy the closing line of this article"],
+        test=["Tell me the sentence that closes the text {below}, exactly.",
+              "whats the very last sentence here? copy it",
+              "Read this: I need only its final sentence, quoted word for word.",
+              "Your task: repeat the last sentence of the text {below} without changing a word.",
+              "Hi! Could you copy out how this article ends? Just the final sentence.",
+              "Quote the last sentence of the document {below}."],
         **_robust_decoys("one sentence I care about")),
     "recent_name": dict(
         train=["The text {below} ends with a note from the front desk. Please answer my question about it.",
@@ -1122,56 +1250,115 @@ FRAMES = {
              "There's a front desk note right at the end of the text {below}. I'll ask about it.",
              "note from reception at the end, answer my q",
              "The document {below} ends with a notice from reception. Answer the question regarding the notice.",
-             "Hi! Reception left a note at the bottom of this text. Can you help me with a question about it?"],
-        test=["The final lines of the text {below} contain a note from reception; please answer from it.",
-              "quick q about the note at the end of this"],
+             "Hi! Reception left a note at the bottom of this text. Can you help me with a question about it?",
+             "The final lines of the text {below} contain a note from reception; please answer from it.",
+             "quick q about the note at the end of this"],
+        test=["The text {below} finishes with a note from reception. I have a question about it.",
+              "front desk left a note at the bottom, answer my q",
+              "Read this: the final lines hold a front-desk note. Use it for my question.",
+              "Your task: look at the reception note at the end of the text {below} and answer the question about "
+              "it.",
+              "Hi! This long article ends with a short message from the front desk. Could you help me with a "
+              "question about it?",
+              "Answer from the reception notice that closes the document {below}."],
         **_robust_decoys("a note about who holds something")),
+    "recent_count": dict(
+        train=["The text {below} ends with a stock update. Please answer my question about it.",
+               "There's a stockroom note at the end of this text. Answer the question about it.",
+               "Read the last update and answer my question.",
+               "check the stock note at the bottom, answer my q",
+               "Hi! At the end of the document {below} there's an update from the stockroom. Could you help me "
+               "with a question about it?",
+               "The document {below} closes with an inventory notice. Respond to the question regarding that "
+               "notice.",
+               "Near the end of this text someone noted how much of something is left. I have a question about it.",
+               "Use the final stock update in the text {below} to answer me."],
+        dev=["At the bottom of this text is a stockroom note; answer my question about it.",
+             "Look at the closing stock update {below} and tell me what I ask.",
+             "There's a stockroom update right at the end of the text {below}. I'll ask about it.",
+             "stock note at the end, answer my q",
+             "The document {below} ends with an inventory update. Answer the question regarding the update.",
+             "Hi! The stockroom left a note at the bottom of this text. Can you help me with a question about it?",
+             "The final lines of the text {below} contain a stock update; please answer from it.",
+             "quick q about the stock note at the end of this"],
+        test=["The text {below} finishes with a note from the stockroom. I have a question about it.",
+              "stockroom left a note at the bottom, answer my q",
+              "Read this: the final lines hold a stock update. Use it for my question.",
+              "Your task: look at the stock note at the end of the text {below} and answer the question about it.",
+              "Hi! This long article ends with a short message from the stockroom. Could you help me with a "
+              "question about it?",
+              "Answer from the stock notice that closes the document {below}."],
+        **_robust_decoys("a note about how many are left")),
 }
 
 # Question wordings (train / dev / test); decoy rows take the dev or test questions. continue has none.
 QUESTIONS = {
-    "passkey": dict(train=["What is the pass key number?", "Which number is the pass key?",
-                           "Tell me the pass key."],
-                    dev=["What was the pass key?", "Can you tell me the pass key you found?",
-                         "pass key?", "Which five-digit number was the pass key in the document?"],
-                    test=["Give me the pass key number from the text."]),
+    "passkey": dict(train=["What is the pass key number?", "Which number is the pass key?", "Tell me the pass key."],
+                    dev=["What was the pass key?", "Can you tell me the pass key you found?", "pass key?",
+                         "Which five-digit number was the pass key in the document?",
+                         "Give me the pass key number from the text."],
+                    test=["What number was the pass key?", "pass key pls", "Which pass key did the text give?",
+                          "Could you repeat the pass key?"]),
     "fact_word": dict(train=["What is {name}'s secret word?", "Which word is {name}'s secret word?",
                              "Tell me the secret word of {name}."],
                       dev=["What secret word does {name} have?", "Do you remember {name}'s secret word? What is it?",
-                           "{name}'s secret word, please.", "Which word did the text give as {name}'s secret?"],
-                      test=["{name}'s secret word was what?"]),
+                           "{name}'s secret word, please.", "Which word did the text give as {name}'s secret?",
+                           "{name}'s secret word was what?"],
+                      test=["What was the secret word of {name}?", "{name} secret word pls",
+                            "Which secret word belongs to {name}?", "Could you repeat {name}'s secret word?"]),
     "name": dict(train=["Who was named the new {role}?", "Who is the new {role}?",
                         "What is the name of the new {role}?"],
-                 dev=["Tell me the full name of the new {role}.", "Who got the job of {role}?",
-                      "new {role} = who?", "Can you remind me who was appointed {role}?"],
-                 test=["Which person became {role}?"]),
-    "date": dict(train=["When is the {event}?", "On what date will the {event} be held?",
-                        "What day is the {event}?"],
-                 dev=["Remind me of the date of the {event}.", "What's the date for the {event}?",
-                      "{event} date?", "When does the text say the {event} will take place?"],
-                 test=["Which date was given for the {event}?"]),
+                 dev=["Tell me the full name of the new {role}.", "Who got the job of {role}?", "new {role} = who?",
+                      "Can you remind me who was appointed {role}?", "Which person became {role}?"],
+                 test=["Who took the post of {role}?", "{role} is who now?", "Which person was appointed {role}?",
+                       "Could you repeat the name of the new {role}?"]),
+    "date": dict(train=["When is the {event}?", "On what date will the {event} be held?", "What day is the {event}?"],
+                 dev=["Remind me of the date of the {event}.", "What's the date for the {event}?", "{event} date?",
+                      "When does the text say the {event} will take place?", "Which date was given for the {event}?"],
+                 test=["What date is the {event} on?", "{event} date pls", "Which day was set for the {event}?",
+                       "Could you repeat when the {event} is?"]),
     "place": dict(train=["Where was the parcel sent?", "To which city did the parcel go?",
                          "What city was the parcel shipped to?"],
-                  dev=["Tell me the parcel's destination.", "Which city received the parcel?",
-                       "parcel went where?", "Can you remind me where the parcel was sent?"],
-                  test=["Where did the parcel for {name} go?"]),
+                  dev=["Tell me the parcel's destination.", "Which city received the parcel?", "parcel went where?",
+                       "Can you remind me where the parcel was sent?", "Where did the parcel for {name} go?"],
+                  test=["Which city did {name}'s parcel go to?", "parcel destination pls",
+                        "Where was {name}'s parcel shipped?", "Could you repeat where the parcel went?"]),
+    "colour": dict(train=["What colour did {name} paint the shed?", "Which colour is {name}'s shed?",
+                          "What colour is the shed now?"],
+                   dev=["Tell me the colour of {name}'s shed.", "What colour was the shed painted?", "shed colour?",
+                        "Can you remind me what colour {name} chose for the shed?"],
+                   test=["Which colour did {name} choose for the shed?", "{name}'s shed colour pls",
+                         "What colour is {name}'s shed painted?", "Could you repeat the colour of the shed?"]),
     "recent_fact": dict(train=["Which room has the meeting been moved to?", "What room is the meeting in now?",
                                "Where is the meeting now, which room?"],
                         dev=["Which room should I go to for the meeting?", "Where's the meeting happening now?",
-                             "meeting room?", "According to the note, which room is the meeting in?"],
-                        test=["The meeting moved to which room?"]),
+                             "meeting room?", "According to the note, which room is the meeting in?",
+                             "The meeting moved to which room?"],
+                        test=["Which room will the meeting be in?", "meeting room number pls",
+                              "What room did the note give for the meeting?",
+                              "Could you repeat the new meeting room?"]),
     "continue": dict(train=[], dev=[], test=[]),
     "copy_last": dict(train=["What is the last sentence of the text?", "Repeat the final sentence.",
                              "Quote the text's last sentence."],
                       dev=["Copy out the closing sentence, word for word.", "What does the final sentence say, exactly?",
-                           "last sentence pls", "Can you quote the sentence the document ends with?"],
-                      test=["Which sentence does the text end with?"]),
-    # recent_name's test question: the one change to the test split after a measurement (RESULTS.md).
+                           "last sentence pls", "Can you quote the sentence the document ends with?",
+                           "Which sentence does the text end with?"],
+                      test=["How does the text end, word for word?", "closing sentence exactly pls",
+                            "Which sentence comes last in the text?", "Could you give me the final sentence again?"]),
     "recent_name": dict(train=["Who is keeping the {item} today?", "With whom are the {item} today?",
                                "Who is holding the {item}?"],
                         dev=["Whom do I ask for the {item} today?", "Who should I see about the {item}?",
-                             "who's got the {item}?", "According to the note, who is looking after the {item} today?"],
-                        test=["Who has the {item} today?"]),
+                             "who's got the {item}?", "According to the note, who is looking after the {item} today?",
+                             "Who has the {item} today?"],
+                        test=["Whom are the {item} with today?", "{item} holder pls",
+                              "Which person has the {item} today?", "Could you repeat who has the {item}?"]),
+    "recent_count": dict(train=["How many {item} are left?", "What number of {item} remain?",
+                                "How many {item} are still on the shelf?"],
+                         dev=["Tell me how many {item} are left.", "How many {item} do we have now?", "{item} left?",
+                              "According to the note, how many {item} remain?"],
+                         test=["What is the count of {item} left?", "{item} count pls",
+                               "How many {item} did the note say are left?",
+                               "Could you repeat how many {item} remain?"]),
 }
 QUESTIONS["recent_date"] = QUESTIONS["date"]   # the same questions: only where the answer lies differs
 assert set(FRAMES) == set(QUESTIONS) == set(TASK_NAMES)
@@ -1195,6 +1382,9 @@ MORE_QUESTIONS = {
     "place": ["parcel city?", "Could you tell me where the parcel was sent?", "State the parcel's destination city.",
               "According to the document, where was the parcel sent?",
               "Do you remember where the parcel went? Which city was it?", "Name the city the parcel went to."],
+    "colour": ["shed colour now?", "Could you tell me the colour of {name}'s shed?", "State the colour of the shed.",
+               "According to the document, what colour is the shed?", "Do you remember the shed's colour? What was it?",
+               "Name the colour of {name}'s shed."],
     "recent_fact": ["meeting room now?", "Could you tell me which room the meeting is in now?",
                     "State the meeting's new room.", "According to the document, which room is the meeting in now?",
                     "Do you remember where the meeting moved? Which room was it?", "Name the meeting's new room."],
@@ -1206,6 +1396,10 @@ MORE_QUESTIONS = {
                     "State the name of whoever holds the {item} today.",
                     "According to the document, who holds the {item} today?",
                     "Do you remember who has the {item}? Who was it?", "Name the person holding the {item} today."],
+    "recent_count": ["{item} remaining?", "Could you tell me how many {item} are left?",
+                     "State the number of {item} left.",
+                     "According to the document, how many {item} are left?",
+                     "Do you remember how many {item} were left? How many?", "Give the number of {item} left."],
 }
 MORE_QUESTIONS["recent_date"] = MORE_QUESTIONS["date"]
 assert set(MORE_QUESTIONS) == set(TASK_NAMES)

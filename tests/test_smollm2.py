@@ -602,7 +602,7 @@ def test_task_ids_and_the_training_suite(tiny_tok):
     n_train, n_held = len(smollm2.TRAIN_TASKS), len(smollm2.HELD_OUT)
     assert sorted(ids[n] for n in smollm2.HELD_OUT) == list(range(n_train, n_train + n_held))
     assert sorted(ids[n] for n in smollm2.EXTRA) == list(range(n_train + n_held, len(smollm2.TASKS)))
-    assert set(smollm2.HELD_OUT) == {"place", "recent_name"} and smollm2.EXTRA == ["recent_date"]
+    assert set(smollm2.HELD_OUT) == {"place", "recent_name", "colour", "recent_count"} and smollm2.EXTRA == ["recent_date"]
     assert {"name", "date", "copy_last"} <= set(smollm2.TRAIN_NAMES)
     s = smollm2.suite(tiny_tok, "news", window=WINDOW)
     assert s.names == smollm2.TRAIN_NAMES and not set(s.names) & set(smollm2.HELD_OUT)
@@ -960,7 +960,7 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
                                                                                                   "model.pt")]
     assert saved == [tuple(res["calibration"]["fail_safe"])] * 2 if extra else saved == [None] * 2
     assert res["settings"]["config"]["prepass_layers"] == 1 and res["held_out_tasks"] == {
-        "place": "sensitive", "recent_name": "robust"}
+        "place": "sensitive", "recent_name": "robust", "colour": "sensitive", "recent_count": "robust"}
     # Routing alone (python -m elastic_lab.probe --routers): the Ω the run's evaluation gave every input
     from elastic_lab import probe
     run_flags = ["--gguf", tiny_file[0], "--eval-per-task", "2", "--calib-per-task", "2", "--test-per-task", "2",
