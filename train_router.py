@@ -671,6 +671,10 @@ def resume_from(run, path, settings, static, steps, state):
     # after the routers, and --deploy may differ; nothing else may change, backbone and tasks included.
     saved = dict(ckpt["settings"], static=ckpt["static"], steps=run.P["steps"], static_steps=run.P["static_steps"])
     saved.setdefault("count_readout", "trained")   # a router.pt from before the setting had that readout
+    if saved.get("suite") == "smollm2":   # ... or from before these: it trained on the default data
+        saved.setdefault("extra_families", [])
+        saved.setdefault("decoy_share", 0.0)
+        saved.setdefault("more_questions", False)
     diff = []
     for k, v in dict(settings, static=static).items():
         if k == "config" and isinstance(saved.get(k), dict):  # name the field, not the whole config

@@ -931,12 +931,12 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
                         lambda *a, **k: shapes.append(tuple(a[7]["tokens"].shape)) or train_step(*a, **k))
     out = tmp_path / "run"
     # 896 tokens: about the shortest input whose far-placed needles fit beyond the 256-token window
-    train_router.main(["--preset", "smollm2", "--gguf", tiny_file[0], "--haystack", "pydoc", "--device", "cpu",
-                       "--seq-len", "896", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
-                       "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2",
-                       "--prepass-layers", "1", "--out", str(out),
-                       *(["--extra-families", ",".join(extra), "--decoy-share", str(decoy_share), "--more-questions",
-                          "--count-readout", "probe", "--fail-safe", "0.25"] if extra else [])])
+    argv = ["--preset", "smollm2", "--gguf", tiny_file[0], "--haystack", "pydoc", "--device", "cpu",
+            "--seq-len", "896", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
+            "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2", "--prepass-layers", "1",
+            *(["--extra-families", ",".join(extra), "--decoy-share", str(decoy_share), "--more-questions",
+               "--count-readout", "probe", "--fail-safe", "0.25"] if extra else []), "--out", str(out)]
+    train_router.main(argv)
     # the ranking, the routers, the static gates: 2 steps each, padded to one shape (StepGraph records once)
     assert shapes == [(8, 896)] * 6, shapes
     res = json.loads((out / "results.json").read_text())
@@ -961,6 +961,21 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     assert saved == [tuple(res["calibration"]["fail_safe"])] * 2 if extra else saved == [None] * 2
     assert res["settings"]["config"]["prepass_layers"] == 1 and res["held_out_tasks"] == {
         "place": "sensitive", "recent_name": "robust", "colour": "sensitive", "recent_count": "robust"}
+    if not extra:   # a router.pt from before the opt-in data settings resumes: it trained on the default data
+        old = torch.load(out / "router.pt", map_location="cpu", weights_only=False)
+        for key in ("decoy_share", "more_questions", "extra_families"):
+            del old["settings"][key]
+        torch.save(old, tmp_path / "old.pt")
+
+        class Resumed(Exception):
+            pass
+
+        def stop(*args):   # the settings passed and the routers loaded: no need to evaluate again
+            raise Resumed
+        monkeypatch.setattr(train_router, "evaluate_all", stop)
+        with pytest.raises(Resumed):
+            train_router.main([*argv[:-2], "--no-static", "--resume", str(tmp_path / "old.pt"),
+                               "--out", str(tmp_path / "resumed")])
     # Routing alone (python -m elastic_lab.probe --routers): the Ω the run's evaluation gave every input
     from elastic_lab import probe
     run_flags = ["--gguf", tiny_file[0], "--eval-per-task", "2", "--calib-per-task", "2", "--test-per-task", "2",
