@@ -602,7 +602,8 @@ def test_task_ids_and_the_training_suite(tiny_tok):
     n_train, n_held = len(smollm2.TRAIN_TASKS), len(smollm2.HELD_OUT)
     assert sorted(ids[n] for n in smollm2.HELD_OUT) == list(range(n_train, n_train + n_held))
     assert sorted(ids[n] for n in smollm2.EXTRA) == list(range(n_train + n_held, len(smollm2.TASKS)))
-    assert set(smollm2.HELD_OUT) == {"place", "recent_name", "colour", "recent_count"} and smollm2.EXTRA == ["recent_date"]
+    assert set(smollm2.HELD_OUT) == {"place", "recent_name", "colour", "recent_count"}
+    assert smollm2.EXTRA == ["recent_date"]
     assert {"name", "date", "copy_last"} <= set(smollm2.TRAIN_NAMES)
     s = smollm2.suite(tiny_tok, "news", window=WINDOW)
     assert s.names == smollm2.TRAIN_NAMES and not set(s.names) & set(smollm2.HELD_OUT)
@@ -935,8 +936,8 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
             "--seq-len", "896", "--steps", "2", "--static-steps", "2", "--eval-per-task", "2",
             "--calib-per-task", "2", "--test-per-task", "2", "--curve-points", "2", "--prepass-layers", "1",
             *(["--extra-families", ",".join(extra), "--decoy-share", str(decoy_share), "--more-questions",
-               "--count-readout", "probe", "--fail-safe", "0.25"] if extra else []), "--out", str(out)]
-    train_router.main(argv)
+               "--count-readout", "probe", "--fail-safe", "0.25"] if extra else [])]
+    train_router.main([*argv, "--out", str(out)])
     # the ranking, the routers, the static gates: 2 steps each, padded to one shape (StepGraph records once)
     assert shapes == [(8, 896)] * 6, shapes
     res = json.loads((out / "results.json").read_text())
@@ -974,7 +975,7 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
             raise Resumed
         monkeypatch.setattr(train_router, "evaluate_all", stop)
         with pytest.raises(Resumed):
-            train_router.main([*argv[:-2], "--no-static", "--resume", str(tmp_path / "old.pt"),
+            train_router.main([*argv, "--no-static", "--resume", str(tmp_path / "old.pt"),
                                "--out", str(tmp_path / "resumed")])
     # Routing alone (python -m elastic_lab.probe --routers): the Ω the run's evaluation gave every input
     from elastic_lab import probe
