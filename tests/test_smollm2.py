@@ -911,7 +911,7 @@ def test_ranked_routers_round_trip_through_read_and_load_routers(tmp_path):
 def test_real_model_answers_in_chat():
     path = os.path.join(smollm2.default_cache_dir(), smollm2.GGUF_NAME)
     if not os.path.exists(path):
-        pytest.skip(f"{path} not present (python -c 'import smollm2; smollm2.fetch_gguf()' fetches it)")
+        pytest.skip(f"{path} not present (`python -m elastic_lab.smollm2` fetches it on first use)")
     model, tok = smollm2.from_gguf(smollm2.verify_gguf(path))
     assert (model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_kv_heads, model.cfg.dim) == (30, 9, 3, 576)
     ids = torch.tensor([tok.chat_ids("What is the capital of France?")])
