@@ -1214,20 +1214,23 @@ def keyword_rule(suite, haystacks=("news", "pydoc"), rare=0.01):
     return sorted(w for w, n in sensitive.items() if n >= 2 and w not in robust | common)
 
 
-def by_keyword(run, model, sets, keywords, split, seq_len=None, ends=64):
-    """choose(name, i) of the keyword rule: per input, the sensitive set if the prompt's first or
-    last `ends` tokens after the shared preamble (where instructions and questions sit) hold one of
-    the keywords, else the robust set."""
+def keyword_fires(run, model, keywords, b, ends=64):
+    """The keyword rule's call per input of batch b: True (sensitive) if the prompt's first or last
+    `ends` tokens after the shared preamble (where instructions and questions sit) hold a keyword."""
     tokenizer, skip = run.suite.tokenizer, model.cfg.pool_skip
 
     def said_in(row, n):   # row: the prompt's token ids, a list
         text = tokenizer.decode(row[skip:skip + ends]) + " " + tokenizer.decode(row[max(skip, n - ends):n])
         return keywords & set(re.findall(r"[a-z]+", text.lower()))
+    return [bool(said_in(row, n)) for row, n in zip(b["tokens"].cpu().tolist(), b["prompt_lengths"].tolist())]
 
+
+def by_keyword(run, model, sets, keywords, split, seq_len=None):
+    """choose(name, i) of the keyword rule: per input, the sensitive set where keyword_fires, else
+    the robust set."""
     def choose(name, i):
-        b = run.held_out(name, i, seq_len, split)
-        said = [said_in(row, n) for row, n in zip(b["tokens"].cpu().tolist(), b["prompt_lengths"].tolist())]
-        return torch.stack([sets["sensitive" if w else "robust"] for w in said], 1)     # (L, B, Hkv)
+        fires = keyword_fires(run, model, keywords, run.held_out(name, i, seq_len, split))
+        return torch.stack([sets["sensitive" if f else "robust"] for f in fires], 1)     # (L, B, Hkv)
     return choose
 
 

@@ -154,18 +154,21 @@ def route_held_out(run, model, conditions=None, dev=False):
     model.eval()
     out = {}
     for condition in conditions or run.suite.conditions:
-        families = run.suite.conditions[condition]
-        split = "eval" if condition == "in_template" else f"{'dev' if dev else 'test'}:{condition}"
         out[condition] = {}
-        for name in run.suite.names if condition == "in_template" else families:
-            omegas = []
-            for i in range(run.n_batches(split)):
-                b = run.held_out(name, i, None, split)
-                x = None if model.cfg.prepass_layers else model.embed_tokens(b["tokens"])   # layer 0's keys need it
-                r = model.routing(b["tokens"], x, None, None, None, b.get("lengths"), b["prompt_lengths"], None, True)
-                omegas += (1 - torch.stack(r.deployed).float().mean((0, 2))).tolist()   # L × (B, Hkv) → (B,)
-            out[condition][name] = omegas
+        for name, b in condition_batches(run, condition, dev):
+            x = None if model.cfg.prepass_layers else model.embed_tokens(b["tokens"])   # layer 0's keys need it
+            r = model.routing(b["tokens"], x, None, None, None, b.get("lengths"), b["prompt_lengths"], None, True)
+            out[condition].setdefault(name, []).extend(   # L × (B, Hkv) → (B,)
+                (1 - torch.stack(r.deployed).float().mean((0, 2))).tolist())
     return out
+
+
+def condition_batches(run, condition, dev=False):
+    """(family, batch) over one condition's prompts, as the run's evaluation draws them."""
+    split = "eval" if condition == "in_template" else f"{'dev' if dev else 'test'}:{condition}"
+    for name in run.suite.names if condition == "in_template" else run.suite.conditions[condition]:
+        for i in range(run.n_batches(split)):
+            yield name, run.held_out(name, i, None, split)
 
 
 def load_run(routers, device, flags=()):
@@ -203,7 +206,9 @@ def load_run(routers, device, flags=()):
 
 
 def route_main(args, flags):
-    """--routers: route the run's prompts and print Ω per family, the category gap and the AUC."""
+    """--routers: route the run's prompts and print Ω per family, the category gap and the AUC, and
+    beside them how the keyword rule (the baseline a learned router must beat) calls the same prompts."""
+    import train_router
     run, model, s = load_run(args.routers, args.device, flags)
     cats = {t.name: t.category for t in smollm2.TASKS}
     print(f"routing of {args.routers} on its run's {'development' if args.dev else 'test'} prompts (preset "
@@ -211,16 +216,24 @@ def route_main(args, flags):
           f"{s['seq_len']} tokens, {args.device}): Ω_MSR per family; category gap; per-input AUC\n"
           f"text: {smollm2.text_fingerprint(run.P['haystack'])} (in-template prompts are the run's where its "
           "results.json names the same; pydoc's differs between Python releases)", flush=True)
+    keywords = set(train_router.keyword_rule(run.suite, run.P["haystack"]))
     table, routes = {}, {}
     for condition in run.suite.conditions:
         fams = routes[condition] = route_held_out(run, model, [condition], args.dev)[condition]
         low = [w for t, ws in fams.items() if cats[t] == "sensitive" for w in ws]
         high = [w for t, ws in fams.items() if cats[t] == "robust" for w in ws]
+        fired = {"sensitive": [], "robust": []}   # the keyword rule's call on the same prompts (1: sensitive set)
+        for name, b in condition_batches(run, condition, args.dev):
+            fired[cats[name]] += train_router.keyword_fires(run, model, keywords, b)
         row = table[condition] = dict(sensitive=statistics.mean(low), robust=statistics.mean(high),
                                       gap=statistics.mean(high) - statistics.mean(low), auc=report.auc(low, high),
-                                      families={t: statistics.mean(ws) for t, ws in fams.items()})
+                                      families={t: statistics.mean(ws) for t, ws in fams.items()},
+                                      keyword_auc=report.auc(*([1 - f for f in fired[c]] for c in fired)),
+                                      keyword_fires={c: statistics.mean(f) for c, f in fired.items()})
         print(f"{condition:<14} sensitive {row['sensitive']:.2f}  robust {row['robust']:.2f}  gap {row['gap']:+.2f}  "
-              f"AUC {row['auc']:.2f}   " + " ".join(f"{t} {w:.2f}" for t, w in row["families"].items()), flush=True)
+              f"AUC {row['auc']:.2f}   " + " ".join(f"{t} {w:.2f}" for t, w in row["families"].items()) +
+              f"   keyword rule: AUC {row['keyword_auc']:.2f}, fires on {row['keyword_fires']['sensitive']:.0%} "
+              f"sensitive, {row['keyword_fires']['robust']:.0%} robust", flush=True)
     if args.out:
         summary = dict(routers=args.routers, flags=flags, dev=args.dev, table=table, omegas=routes)
         elastic_attention.write_atomic(args.out, lambda f: f.write(json.dumps(summary, indent=1).encode()))

@@ -1024,6 +1024,25 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     assert set(dev) == set(routes["decoys"]) and dev != routes["decoys"]
 
 
+def test_the_keyword_rule_reads_only_the_prompts_ends(tiny_tok):
+    """train_router.keyword_fires, the keyword rule's call: a keyword in the prompt's first or last 64
+    tokens after the preamble sends the input to the sensitive set, in any case; a keyword only in the
+    middle, or only in the preamble that every prompt shares, does not."""
+    import types
+    import train_router
+    preamble = tiny_tok.encode("passkey " * 3)   # stands in for the chat preamble, which pool_skip steps over
+    filler = " ".join(["river"] * 200)
+    prompts = {"Remember the PASSKEY. " + filler: True, filler + " What was the passkey?": True,
+               filler + " a passkey " + filler: False, filler: False}
+    rows = [preamble + tiny_tok.encode(p) for p in prompts]
+    n = max(map(len, rows))
+    b = dict(tokens=torch.tensor([r + [0] * (n - len(r)) for r in rows]),
+             prompt_lengths=torch.tensor([len(r) for r in rows]))
+    run = types.SimpleNamespace(suite=types.SimpleNamespace(tokenizer=tiny_tok))
+    model = types.SimpleNamespace(cfg=types.SimpleNamespace(pool_skip=len(preamble)))
+    assert train_router.keyword_fires(run, model, {"passkey"}, b) == list(prompts.values())
+
+
 def shift_of(model, b):
     """Ranked routers' log α shift (B,) for a batch, without a fail-safe."""
     return model.input_shift(b["tokens"], None, b["prompt_lengths"])[0]
