@@ -18,9 +18,10 @@ prompts (1.0: every robust prompt scores above every sensitive one; 0.5: chance)
 
 With --routers, it routes instead: the Ω_MSR a train_router.py run's trained routers give that run's
 own evaluation prompts, in-template and per held-out condition, with each category gap and per-input
-AUC. Ranked routers with one global count decide from the pre-pass alone, so this needs no 4K
-forward: minutes on a CPU, the same Ω as the run's results.json. Any train_router.py flag the run
-was given (say --test-per-task 16) rebuilds its inputs; preset, seed and length come from router.pt.
+AUC, beside the keyword rule's call on the same prompts. Ranked routers with one global count
+decide from the pre-pass alone, so this needs no 4K forward: minutes on a CPU, the same Ω as the
+run's results.json. Any train_router.py flag the run was given (say --test-per-task 16) rebuilds
+its inputs; preset, seed and length come from router.pt.
 
     python -m elastic_lab.probe --routers smollm2_routers.pt
     python -m elastic_lab.probe --routers smollm2_routers.pt --dev   # the conditions' development twins
@@ -228,7 +229,8 @@ def route_main(args, flags):
         row = table[condition] = dict(sensitive=statistics.mean(low), robust=statistics.mean(high),
                                       gap=statistics.mean(high) - statistics.mean(low), auc=report.auc(low, high),
                                       families={t: statistics.mean(ws) for t, ws in fams.items()},
-                                      keyword_auc=report.auc(*([1 - f for f in fired[c]] for c in fired)),
+                                      keyword_auc=report.auc([1 - f for f in fired["sensitive"]],
+                                                              [1 - f for f in fired["robust"]]),
                                       keyword_fires={c: statistics.mean(f) for c, f in fired.items()})
         print(f"{condition:<14} sensitive {row['sensitive']:.2f}  robust {row['robust']:.2f}  gap {row['gap']:+.2f}  "
               f"AUC {row['auc']:.2f}   " + " ".join(f"{t} {w:.2f}" for t, w in row["families"].items()) +
