@@ -1008,8 +1008,8 @@ def evaluation_plan(run):
 def evaluation_pace(run, model):
     """Seconds per evaluation batch on this machine, for the run's estimate: one sensitive task's
     calibration batches, timed on a second pass (the first warms up), with about half the heads
-    sparse and one layer of mixed modes. On a CPU such a layer costs twice a uniform one; with
-    every layer mixed the estimate doubled the tiny preset's evaluation, with none it halved it."""
+    sparse and one layer of mixed modes, which on a CPU costs more than a uniform one (one SDPA call
+    per mode and sample: 1.5x at the tiny preset's shapes)."""
     n, H = model.cfg.n_layers * model.cfg.n_kv_heads, model.cfg.n_kv_heads
     mixed = fixed(model, torch.arange(n), (n + H) // 2 / n)     # in layer order: the boundary inside a layer
     for _ in range(2):
