@@ -25,6 +25,10 @@ its inputs; preset, seed and length come from router.pt.
 
     python -m elastic_lab.probe --routers smollm2_routers.pt
     python -m elastic_lab.probe --routers smollm2_routers.pt --dev   # the conditions' development twins
+
+--accuracy CONDITION then scores dense and Elastic on that condition's prompts, family by family:
+a forward of every prompt, so about 25 s a 4K prompt on 2 CPU cores (--test-per-task 16: 13 min a
+family), against hours for a CPU run of every method on every condition.
 """
 import argparse
 import json
@@ -172,6 +176,26 @@ def condition_batches(run, condition, dev=False):
             yield name, run.held_out(name, i, None, split)
 
 
+@torch.no_grad()
+def accuracy(run, model, condition, dev=False):
+    """{family: {"dense", "elastic": per-input scores, "omegas": Elastic's Ω_MSR}} on one condition's
+    prompts: every head FULL against the routers' modes, scored as the run scores them. A forward of
+    every prompt per method (a 4K one takes about 25 s on 2 CPU cores; routing alone, the pre-pass)."""
+    import train_router
+    model.eval()
+    split = "eval" if condition == "in_template" else f"{'dev' if dev else 'test'}:{condition}"
+    names = run.suite.names if condition == "in_template" else run.suite.conditions[condition]
+    dense = train_router.fixed(model, torch.arange(model.cfg.n_layers * model.cfg.n_kv_heads), 0.0)
+    out = {}
+    for name in names:
+        d, e = (train_router.evaluate(run, model, choose, names=[name], split=split)[name] for choose in (dense, None))
+        out[name] = dict(dense=d["scores"], elastic=e["scores"], omegas=e["omegas"])
+        print(f"{condition:<14}{name:<14} dense {100 * statistics.mean(d['scores']):5.1f}  Elastic "
+              f"{100 * statistics.mean(e['scores']):5.1f} (Ω {statistics.mean(e['omegas']):.2f}), "
+              f"{len(d['scores'])} prompts", flush=True)
+    return out
+
+
 def load_run(routers, device, flags=()):
     """(Run, model with the routers, their settings): a smollm2 run's evaluation inputs rebuilt from its
     router.pt (preset, seed, length, text) and any train_router flags the run was given."""
@@ -236,8 +260,9 @@ def route_main(args, flags):
               f"AUC {row['auc']:.2f}   " + " ".join(f"{t} {w:.2f}" for t, w in row["families"].items()) +
               f"   keyword rule: AUC {row['keyword_auc']:.2f}, fires on {row['keyword_fires']['sensitive']:.0%} "
               f"sensitive, {row['keyword_fires']['robust']:.0%} robust", flush=True)
+    scores = accuracy(run, model, args.accuracy, args.dev) if args.accuracy else None
     if args.out:
-        summary = dict(routers=args.routers, flags=flags, dev=args.dev, table=table, omegas=routes)
+        summary = dict(routers=args.routers, flags=flags, dev=args.dev, table=table, omegas=routes, accuracy=scores)
         elastic_attention.write_atomic(args.out, lambda f: f.write(json.dumps(summary, indent=1).encode()))
 
 
@@ -267,6 +292,7 @@ def main(argv=None):
     route.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     route.add_argument("--out")
     route.add_argument("--dev", action="store_true")
+    route.add_argument("--accuracy", choices=list(smollm2.CONDITIONS))
     r, flags = route.parse_known_args(argv)
     if r.routers:
         return route_main(r, flags)
@@ -285,9 +311,13 @@ def main(argv=None):
     p.add_argument("--out", help="write the AUC table (with --routers: the routing table) here as JSON")
     p.add_argument("--routers", help="a smollm2 run's router.pt: route that run's evaluation prompts instead "
                                      "(then any train_router.py flag the run was given)")
+    p.add_argument("--accuracy", choices=list(smollm2.CONDITIONS), help="with --routers: then score dense and "
+                   "Elastic on this condition's prompts (a forward of every prompt)")
     args = p.parse_args(argv)
     if args.per_task < 2:
         raise SystemExit(f"error: --per-task must be >= 2, got {args.per_task}")
+    if args.accuracy:
+        raise SystemExit(f"error: --accuracy {args.accuracy} scores a run's routers: it needs --routers")
     extra = tuple(args.extra_families.split(",")) if args.extra_families else ()
     if extra and not args.select:
         raise SystemExit("error: --extra-families goes with --select")

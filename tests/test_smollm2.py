@@ -984,8 +984,13 @@ def test_the_experiment_runs_end_to_end_on_a_tiny_gguf(tiny_file, tmp_path, monk
     flags = ["--routers", str(out / "router.pt"), "--device", "cpu", "--out", str(tmp_path / "routes.json"), *run_flags]
     with pytest.raises(SystemExit, match="trained with prepass_layers 1; these inputs' run has prepass_layers 2"):
         probe.main([*flags, "--prepass-layers", "2"])
-    probe.main(flags)
+    probe.main([*flags, "--accuracy", "families"])   # then dense against Elastic (the tiny model scores 0:
     routes = json.loads((tmp_path / "routes.json").read_text())["omegas"]
+    scores = json.loads((tmp_path / "routes.json").read_text())["accuracy"]   # the Ω tell them apart)
+    assert scores == {t: dict(dense=res["held_out"]["families"]["dense"][t]["scores"],
+                              elastic=res["held_out"]["families"]["elastic"][t]["scores"],
+                              omegas=res["held_out"]["families"]["elastic"][t]["omegas"])
+                      for t in smollm2.CONDITIONS["families"]["families"]}
     assert set(routes) == set(smollm2.CONDITIONS)
     for condition, families in routes.items():
         ran = res["results"] if condition == "in_template" else res["held_out"][condition]
