@@ -168,10 +168,17 @@ def route_held_out(run, model, conditions=None, dev=False):
     return out
 
 
+def condition_split(run, condition, dev=False):
+    """(the run's split name, its families) for one condition's prompts."""
+    if condition == "in_template":
+        return "eval", run.suite.names
+    return f"{'dev' if dev else 'test'}:{condition}", run.suite.conditions[condition]
+
+
 def condition_batches(run, condition, dev=False):
     """(family, batch) over one condition's prompts, as the run's evaluation draws them."""
-    split = "eval" if condition == "in_template" else f"{'dev' if dev else 'test'}:{condition}"
-    for name in run.suite.names if condition == "in_template" else run.suite.conditions[condition]:
+    split, names = condition_split(run, condition, dev)
+    for name in names:
         for i in range(run.n_batches(split)):
             yield name, run.held_out(name, i, None, split)
 
@@ -180,11 +187,10 @@ def condition_batches(run, condition, dev=False):
 def accuracy(run, model, condition, dev=False):
     """{family: {"dense", "elastic": per-input scores, "omegas": Elastic's Ω_MSR}} on one condition's
     prompts: every head FULL against the routers' modes, scored as the run scores them. A forward of
-    every prompt per method (a 4K one takes about 25 s on 2 CPU cores; routing alone, the pre-pass)."""
+    every prompt per method (a 4K one takes about 25 s on 2 CPU cores), where routing needs only the pre-pass."""
     import train_router
     model.eval()
-    split = "eval" if condition == "in_template" else f"{'dev' if dev else 'test'}:{condition}"
-    names = run.suite.names if condition == "in_template" else run.suite.conditions[condition]
+    split, names = condition_split(run, condition, dev)
     dense = train_router.fixed(model, torch.arange(model.cfg.n_layers * model.cfg.n_kv_heads), 0.0)
     out = {}
     for name in names:
